@@ -1,0 +1,11 @@
+"""Offline LLM inference on PaddlePaddle with FastDeploy's API."""
+import logging
+
+from fastdeploy.engine.request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.entrypoints.llm import LLM
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob"]
+__version__ = "0.1.0"

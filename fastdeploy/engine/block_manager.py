@@ -1,0 +1,119 @@
+"""Paged KV-cache blocks: allocation, reference counts and prefix caching over full blocks.
+
+A full block is identified by a hash chained over its parent's hash and its own tokens, so equal
+hashes mean equal whole prefixes. Freed blocks keep their hash and stay reusable until the
+allocator needs them again; eviction takes the least recently freed first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from fastdeploy.engine.request import Request
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent_hash, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, request: Request) -> list[int]:
+        """Ids of cached blocks holding a prefix of the request's tokens. At least one token is
+        always left to compute, because the step that computes it also yields the next logits."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = None
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = chain_hash(parent, tokens)
+            block_id = self.cached.get(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, request: Request, num_new_tokens: int, prefix_hits: list[int] = ()) -> bool:
+        """Give the request blocks for num_new_tokens more tokens (after adopting prefix hits,
+        when it has none yet). False, with nothing changed, if the pool is too small."""
+        hits = [b for b in prefix_hits if self.blocks[b].ref_count == 0]
+        num_target = request.num_computed_tokens + len(prefix_hits) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_target) - len(request.block_table) - len(prefix_hits)
+        # Reviving an unreferenced cached block takes it out of the free list too.
+        if num_new_blocks + len(hits) > len(self.free):
+            return False
+        for block_id in prefix_hits:
+            self._take(block_id)
+            request.block_table.append(block_id)
+            request.block_hashes.append(self.blocks[block_id].block_hash)
+        if prefix_hits:
+            request.num_computed_tokens += len(prefix_hits) * self.block_size
+            request.num_cached_tokens = len(prefix_hits) * self.block_size
+        for _ in range(max(num_new_blocks, 0)):
+            block_id = next(iter(self.free))
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict its cached contents
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            self._take(block_id)
+            request.block_table.append(block_id)
+        return True
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly completed blocks (their K/V are computed) for reuse."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        for i in range(len(request.block_hashes), num_full):
+            tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = chain_hash(parent, tokens)
+            request.block_hashes.append(parent)
+            block = self.blocks[request.block_table[i]]
+            if block.block_hash is None:
+                block.block_hash = parent
+                self.cached.setdefault(parent, block.block_id)
+
+    def release(self, request: Request) -> None:
+        """Drop the request's blocks; tail blocks go first in line for eviction."""
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free[block_id] = None
+                    self.free.move_to_end(block_id, last=False)  # no contents worth keeping
+                else:
+                    self.free[block_id] = None
+        request.block_table.clear()
+        request.block_hashes.clear()
+        request.num_computed_tokens = 0

@@ -1,0 +1,138 @@
+"""EngineConfig: every LLM(...) parameter, validated once, with the checkpoint's ModelConfig."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastdeploy.engine.model_config import ModelConfig
+
+QUANTIZATIONS = ("wint8", "wint4")
+MAX_NUM_SEQS_LIMIT = 256
+DEFAULT_CHUNKED_BUDGET = 2048  # FastDeploy's token budget when chunked prefill is on
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be in {allowed}, got {value}")
+
+
+def _check_fraction(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    max_model_len: int = 2048
+    tensor_parallel_size: int = 1
+    block_size: int = 64
+    max_num_seqs: int = 8
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_ratio: float = 0.75
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = False
+    use_warmup: int = 0
+    engine_worker_queue_port: int = 8002
+    enable_mm: bool = False
+    limit_mm_per_prompt: dict[str, int] | None = None
+    reasoning_parser: str | None = None
+    quantization: str | None = None
+    seed: int = 0
+    chat_template: str | None = None
+    max_logprobs: int = 20
+    model_config: ModelConfig = field(init=False, repr=False)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown parameter(s) {unknown}; supported: {sorted(known - {'model'})}")
+        return cls(model=model, **kwargs)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path to a checkpoint directory, got {type(self.model).__name__}")
+        self.model = os.fspath(self.model)
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model must be a local checkpoint directory; {self.model!r} is not a directory "
+                             "(no downloads happen here)")
+        self.tokenizer = os.fspath(self.tokenizer) if self.tokenizer is not None else self.model
+        if not os.path.isdir(self.tokenizer):
+            raise ValueError(f"tokenizer must be a directory of tokenizer files, got {self.tokenizer!r}")
+        self.model_config = ModelConfig.from_pretrained(self.model)
+
+        _check_int("max_model_len", self.max_model_len, 1, self.model_config.max_position_embeddings)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("block_size", self.block_size, 1, 4096)
+        _check_int("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS_LIMIT)
+        _check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, allow_none=True)
+        _check_fraction("kv_cache_ratio", self.kv_cache_ratio)
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        _check_int("use_warmup", int(self.use_warmup) if isinstance(self.use_warmup, bool) else self.use_warmup, 0, 1)
+        _check_int("engine_worker_queue_port", self.engine_worker_queue_port, 1, 65535)
+        _check_bool("enable_mm", self.enable_mm)
+        _check_int("seed", self.seed, 0)
+        _check_int("max_logprobs", self.max_logprobs, -1)
+        self._check_batched_tokens()
+        self._check_multimodal()
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise TypeError("chat_template must be a Jinja template string or a path to a template file")
+        if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, str):
+            raise TypeError(f"reasoning_parser must be a parser name, got {self.reasoning_parser!r}")
+        self._refuse_not_yet_supported()
+
+    def _check_batched_tokens(self) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (max(DEFAULT_CHUNKED_BUDGET, self.max_num_seqs)
+                                           if self.enable_chunked_prefill else self.max_model_len)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({self.max_model_len}) unless enable_chunked_prefill=True")
+
+    def _check_multimodal(self) -> None:
+        if self.limit_mm_per_prompt is None:
+            return
+        if not isinstance(self.limit_mm_per_prompt, dict) or not all(
+                k in ("image", "video", "audio") and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in self.limit_mm_per_prompt.items()):
+            raise ValueError("limit_mm_per_prompt must be a dict like {'image': 100, 'video': 100} "
+                             f"with non-negative int limits, got {self.limit_mm_per_prompt!r}")
+
+    def _refuse_not_yet_supported(self) -> None:
+        if self.tensor_parallel_size > 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet; use 1")
+        if self.enable_mm or any("VL" in a or "Vl" in a for a in self.model_config.architectures):
+            raise NotImplementedError("multimodal models (enable_mm) are not supported yet")
+        if self.quantization is not None:
+            raise NotImplementedError(f"quantization={self.quantization!r} is not supported yet; use None")
+        if self.reasoning_parser is not None:
+            raise NotImplementedError(f"reasoning_parser={self.reasoning_parser!r}: reasoning parsers are not "
+                                      "supported yet; use None")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)

@@ -1,0 +1,148 @@
+"""SamplingParams: FastDeploy's names and ranges, validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+MAX_SEED = 922337203685477580  # FastDeploy's upper bound
+
+# Fields whose unset value (None) is filled from the model's generation_config.json, else these.
+MODEL_DEFAULTS: dict[str, float] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+}
+
+
+def _number(name: str, value: Any, *, integer: bool = False) -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an int" if integer else "a number"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+
+
+def _int_list(name: str, value: Any) -> None:
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise TypeError(f"{name} must be a list of non-negative ints, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to generate one request's output.
+
+    temperature, top_p and the three penalties default to None, meaning "the model's
+    generation_config.json value, else the neutral value" (temperature 1, top_p 1, penalties off);
+    a value set here always wins.
+    """
+
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[int] | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    reasoning_max_tokens: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self._verify()
+
+    def _verify(self) -> None:
+        _number("n", self.n, integer=True)
+        if self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                _number(name, value)
+                if not -2.0 <= value <= 2.0:
+                    raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.repetition_penalty is not None:
+            _number("repetition_penalty", self.repetition_penalty)
+            if self.repetition_penalty <= 0:
+                raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.temperature is not None:
+            _number("temperature", self.temperature)
+            if self.temperature < 0:
+                raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if self.top_p is not None:
+            _number("top_p", self.top_p)
+            if not 0.0 <= self.top_p <= 1.0:
+                raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        _number("top_k", self.top_k, integer=True)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (off) or an int >= 1, got {self.top_k}")
+        _number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _number("seed", self.seed, integer=True)
+            if not 0 <= self.seed <= MAX_SEED:
+                raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+                raise TypeError(f"stop must be a non-empty str or a list of non-empty str, got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            _int_list("stop_token_ids", self.stop_token_ids)
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or not all(
+                isinstance(w, str) for w in self.bad_words)):
+            raise TypeError(f"bad_words must be a list of str, got {self.bad_words!r}")
+        if self.bad_words_token_ids is not None:
+            _int_list("bad_words_token_ids", self.bad_words_token_ids)
+        if self.max_tokens is not None:
+            _number("max_tokens", self.max_tokens, integer=True)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _number("min_tokens", self.min_tokens, integer=True)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _number(name, value, integer=True)
+                if value < -1:
+                    raise ValueError(f"{name} must be >= 0 (or -1 for the whole vocabulary), got {value}")
+        if self.reasoning_max_tokens is not None:
+            _number("reasoning_max_tokens", self.reasoning_max_tokens, integer=True)
+            if self.reasoning_max_tokens < 1:
+                raise ValueError(f"reasoning_max_tokens must be >= 1, got {self.reasoning_max_tokens}")
+            if self.max_tokens is not None and self.reasoning_max_tokens > self.max_tokens:
+                raise ValueError(f"reasoning_max_tokens must be <= max_tokens ({self.max_tokens}), "
+                                 f"got {self.reasoning_max_tokens}")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def with_model_defaults(self, generation_defaults: dict[str, Any]) -> SamplingParams:
+        """A copy with every unset model-default field filled in."""
+        filled = {}
+        for name, neutral in MODEL_DEFAULTS.items():
+            if getattr(self, name) is None:
+                filled[name] = generation_defaults.get(name, neutral)
+        return dataclasses.replace(self, **filled)
+
+    def clone(self) -> SamplingParams:
+        return dataclasses.replace(self)

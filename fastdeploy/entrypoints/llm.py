@@ -1,0 +1,178 @@
+"""The offline-inference facade: LLM(model, ...).generate(...) / .chat(...)."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Union
+
+from tqdm.auto import tqdm
+
+from fastdeploy.engine.config import EngineConfig
+from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.engine.request import Request, RequestOutput
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.input.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, list[int], dict[str, Any]]
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "multimodal_data")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def normalize_prompts(prompts: Any) -> list[PromptType]:
+    """The accepted shapes of `prompts`, as a list with one entry per request."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        for p in prompts:
+            if not (isinstance(p, (str, dict)) or _is_token_ids(p)):
+                raise TypeError("prompts must be a str, a list of str, a list of token ids, a list of lists of "
+                                f"token ids, a dict or a list of dicts; got an element {p!r}")
+        return list(prompts)
+    raise TypeError(f"prompts must be a str, list or dict, got {type(prompts).__name__}")
+
+
+def normalize_conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+        return [list(messages)]
+    if isinstance(messages, (list, tuple)) and all(
+            isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c) for c in messages):
+        return [list(c) for c in messages]
+    raise TypeError("messages must be one conversation (a list of {'role', 'content'} dicts) or a list of them")
+
+
+def _message_text(message: dict[str, Any]) -> dict[str, Any]:
+    """Flatten OpenAI-style content parts to text; media parts need multimodal support."""
+    if "role" not in message or "content" not in message:
+        raise ValueError(f"each message needs 'role' and 'content', got keys {sorted(message)}")
+    content = message["content"]
+    if content is None or isinstance(content, str):
+        return message
+    if not isinstance(content, list):
+        raise TypeError(f"message content must be a str or a list of parts, got {type(content).__name__}")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            texts.append(part.get("text", ""))
+        elif kind in ("image_url", "video_url", "image", "video"):
+            raise NotImplementedError(f"content parts of type {kind!r} need a multimodal model, not supported yet")
+        else:
+            raise ValueError(f"content part type must be 'text', 'image_url' or 'video_url', got {part!r}")
+    return {**message, "content": "".join(texts)}
+
+
+class LLM:
+    """Runs a local checkpoint in this process. See docs/offline_inference.md for the parameters."""
+
+    def __init__(self, model: str, **kwargs: Any):
+        self.config = EngineConfig.from_kwargs(model, **kwargs)
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    # ---- public API -----------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, stream: bool = False) -> list[RequestOutput]:
+        if stream:
+            raise NotImplementedError("stream=True is not supported yet")
+        items = normalize_prompts(prompts)
+        params = self._params_per_prompt(sampling_params, len(items))
+        requests = []
+        for index, (item, p) in enumerate(zip(items, params)):
+            start = time.time()
+            text, ids = self._tokenize(item)
+            requests.append(self._make_request(text, ids, p, index, start))
+        return self._run(requests, use_tqdm)
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template: str | None = None, stream: bool = False) -> list[RequestOutput]:
+        if stream:
+            raise NotImplementedError("stream=True is not supported yet")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        conversations = normalize_conversations(messages)
+        params = self._params_per_prompt(sampling_params, len(conversations))
+        tokenizer = self.engine.tokenizer
+        requests = []
+        for index, (conversation, p) in enumerate(zip(conversations, params)):
+            start = time.time()
+            text = tokenizer.apply_chat_template([_message_text(m) for m in conversation],
+                                                 add_generation_prompt=True, chat_template=chat_template,
+                                                 **(chat_template_kwargs or {}))
+            # The template writes its own BOS/cls token: encoding must not add another.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            requests.append(self._make_request(text, ids, p, index, start))
+        return self._run(requests, use_tqdm)
+
+    # ---- helpers --------------------------------------------------------------------------
+    @staticmethod
+    def _params_per_prompt(sampling_params: Any, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+            if len(sampling_params) != count:
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries but there are {count} prompts; "
+                                 "pass one SamplingParams or one per prompt")
+            return list(sampling_params)
+        raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
+
+    def _tokenize(self, item: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(item, str):
+            return item, self.engine.tokenizer.encode(item)
+        if isinstance(item, dict):
+            unknown = sorted(set(item) - set(PROMPT_KEYS))
+            if unknown:
+                raise ValueError(f"prompt dict keys must be among {list(PROMPT_KEYS)}, got {unknown}")
+            if item.get("multimodal_data"):
+                raise NotImplementedError("multimodal_data needs a multimodal model, not supported yet")
+            text, ids = item.get("prompt"), item.get("prompt_token_ids")
+            if ids is not None:
+                if not _is_token_ids(ids):
+                    raise TypeError("prompt_token_ids must be a non-empty list of ints")
+                return text, list(ids)
+            if not isinstance(text, str):
+                raise ValueError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of ints)")
+            return text, self.engine.tokenizer.encode(text)
+        return None, list(item)
+
+    def _make_request(self, text: str | None, ids: list[int], params: SamplingParams, index: int,
+                      start: float) -> Request:
+        request = self.engine.make_request(text, ids, params, index, arrival_time=time.time())
+        request.metrics.preprocess_cost_time = request.metrics.arrival_time - start
+        return request
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        for request in requests:
+            engine.add_request(request)
+        bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        bar.update(sum(r.is_finished for r in requests))  # rejected ones
+        start, tokens_in, tokens_out = time.perf_counter(), 0, 0
+        try:
+            while engine.has_unfinished():
+                finished = engine.step()
+                for request in finished:
+                    tokens_in += request.num_prompt_tokens
+                    tokens_out += request.num_output_tokens
+                if finished and use_tqdm:
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"est. speed input: {tokens_in / elapsed:.2f} toks/s, "
+                                        f"output: {tokens_out / elapsed:.2f} toks/s")
+                    bar.update(len(finished))
+        except BaseException:
+            engine.abort_all()  # leave the engine usable after Ctrl-C or an error
+            raise
+        finally:
+            bar.close()
+        return [engine.make_output(r) for r in requests]

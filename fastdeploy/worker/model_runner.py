@@ -1,0 +1,161 @@
+"""ModelRunner: owns the model and the KV cache, and turns a scheduled batch into sampled tokens.
+
+A step's tokens are flattened into one ragged batch (no padding): token ids, positions, and the
+forward context that maps them onto the paged cache. Only requests whose known tokens are all
+computed after this step get logits and a sampled token; a mid-prompt chunk gets neither.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+from fastdeploy.engine.config import EngineConfig
+from fastdeploy.engine.request import Request
+from fastdeploy.engine.scheduler import ScheduledBatch
+from fastdeploy.model_executor.forward_context import (allocate_kv_caches, build_forward_context,
+                                                       forward_context)
+from fastdeploy.model_executor.layers.sampler import Sampler, SamplingBatch
+from fastdeploy.model_executor.load import load_model
+
+logger = logging.getLogger(__name__)
+
+ACTIVATION_RESERVE = 0.1  # share of the memory budget kept for activations
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: list[tuple[Request, int]]  # requests that got a new token this step
+    logprobs: dict[int, tuple[np.ndarray, np.ndarray, float, int]]  # row -> (top ids, top logprobs, logprob, rank)
+    forward_seconds: float
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc = config.model_config
+        paddle.seed(config.seed)
+        start = time.perf_counter()
+        self.model = load_model(mc)
+        logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
+        self.sampler = Sampler()
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks, config.block_size,
+                                            mc.num_key_value_heads, mc.head_dim)
+
+    def _kv_block_bytes(self) -> int:
+        mc = self.config.model_config
+        return 2 * mc.num_hidden_layers * self.config.block_size * mc.num_key_value_heads * mc.head_dim * 4
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            logger.info("total_block_num:%d (num_gpu_blocks_override)", cfg.num_gpu_blocks_override)
+            return cfg.num_gpu_blocks_override
+        # No GPU: the budget is a share of host memory, less the weights and an activation reserve.
+        weights = sum(int(np.prod(p.shape)) * 4 for p in self.model.parameters())
+        budget = int(host_memory_bytes() * cfg.gpu_memory_utilization * (1 - ACTIVATION_RESERVE)) - weights
+        by_memory = max(budget // self._kv_block_bytes(), 0)
+        # More blocks than max_num_seqs full-length requests can use would only sit idle in RAM.
+        by_use = cfg.max_num_seqs * cfg.max_blocks_per_seq
+        num_blocks = int(min(by_memory, by_use))
+        if num_blocks < cfg.max_blocks_per_seq:
+            raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves room for {num_blocks} KV "
+                             f"blocks, fewer than one max_model_len={cfg.max_model_len} request needs "
+                             f"({cfg.max_blocks_per_seq}); raise it or lower max_model_len")
+        logger.info("KV cache from host memory: gpu_memory_utilization=%.2f of %.1f GiB allows %d blocks; "
+                    "total_block_num:%d (block_size %d, %.1f MiB)", cfg.gpu_memory_utilization,
+                    host_memory_bytes() / 2**30, by_memory, num_blocks, cfg.block_size,
+                    num_blocks * self._kv_block_bytes() / 2**20)
+        return num_blocks
+
+    @paddle.no_grad()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        start = time.perf_counter()
+        requests, counts = batch.requests, batch.num_new_tokens
+        ids, positions = [], []
+        context_lens = []
+        for request, n in zip(requests, counts):
+            begin = request.num_computed_tokens
+            ids.extend(request.token_ids[begin:begin + n])
+            positions.extend(range(begin, begin + n))
+            context_lens.append(begin + n)
+        ctx = build_forward_context(counts, context_lens, [r.block_table for r in requests],
+                                    self.config.block_size, self.kv_caches)
+        with forward_context(ctx):
+            hidden = self.model(paddle.to_tensor(np.asarray(ids, dtype=np.int64)),
+                                paddle.to_tensor(np.asarray(positions, dtype=np.int64)))
+
+        # Rows that finish their known tokens this step produce the next token.
+        last_rows = np.cumsum(counts) - 1
+        sampling = [i for i, (r, c) in enumerate(zip(requests, context_lens)) if c == r.num_tokens]
+        if not sampling:
+            return StepResult([], {}, time.perf_counter() - start)
+        logits = self.model.compute_logits(paddle.gather(hidden, paddle.to_tensor(last_rows[sampling])))
+        chosen = [requests[i] for i in sampling]
+        tokens = self.sampler(logits, self._sampling_batch(chosen))
+        logprobs = self._logprobs(logits, chosen, tokens)
+        sampled = [(r, int(t)) for r, t in zip(chosen, tokens)]
+        return StepResult(sampled, logprobs, time.perf_counter() - start)
+
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        def column(name: str, dtype: type) -> np.ndarray:
+            return np.array([getattr(r.params, name) for r in requests], dtype=dtype)
+
+        banned = []
+        for r in requests:
+            if r.num_output_tokens < r.params.min_tokens:
+                banned.append(sorted(r.eos_token_ids | set(r.params.stop_token_ids or ())))
+            else:
+                banned.append(())
+        return SamplingBatch(
+            temperature=column("temperature", np.float32),
+            top_p=column("top_p", np.float32),
+            top_k=column("top_k", np.int64),
+            min_p=column("min_p", np.float32),
+            repetition_penalty=column("repetition_penalty", np.float32),
+            frequency_penalty=column("frequency_penalty", np.float32),
+            presence_penalty=column("presence_penalty", np.float32),
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            banned_token_ids=banned,
+            generators=[r.generator for r in requests],
+        )
+
+    def _logprobs(self, logits: paddle.Tensor, requests: list[Request], tokens: np.ndarray) -> dict:
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if not rows:
+            return {}
+        # Raw log-softmax of the model's logits (before penalties and temperature).
+        logp = paddle.nn.functional.log_softmax(paddle.gather(logits, paddle.to_tensor(rows)), axis=-1).numpy()
+        vocab = logp.shape[-1]
+        out = {}
+        for j, i in enumerate(rows):
+            k = requests[i].params.logprobs
+            k = vocab if k == -1 else k
+            row = logp[j]
+            top = np.argpartition(-row, k - 1)[:k] if 0 < k < vocab else np.arange(vocab if k else 0)
+            top = top[np.argsort(-row[top], kind="stable")]
+            token = int(tokens[i])
+            rank = int((row > row[token]).sum()) + 1
+            out[i] = (top, row[top], float(row[token]), rank)
+        return out
+
+    @paddle.no_grad()
+    def warmup(self) -> None:
+        """One forward over a full budget of tokens so the first real step runs at speed."""
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len,
+                self.num_blocks * self.config.block_size)
+        blocks = list(range(-(-n // self.config.block_size)))
+        ctx = build_forward_context([n], [n], [blocks], self.config.block_size, self.kv_caches)
+        with forward_context(ctx):
+            hidden = self.model(paddle.zeros([n], dtype="int64"), paddle.arange(n, dtype="int64"))
+            self.model.compute_logits(hidden[-1:])
