@@ -47,25 +47,20 @@ def normalize_conversations(messages: Any) -> list[list[dict[str, Any]]]:
     raise TypeError("messages must be one conversation (a list of {'role', 'content'} dicts) or a list of them")
 
 
-def _message_text(message: dict[str, Any]) -> dict[str, Any]:
-    """Flatten OpenAI-style content parts to text; media parts need multimodal support."""
+def _check_message(message: dict[str, Any]) -> dict[str, Any]:
+    """Text content parts are the template layer's business; media parts need multimodal support."""
     if "role" not in message or "content" not in message:
         raise ValueError(f"each message needs 'role' and 'content', got keys {sorted(message)}")
     content = message["content"]
-    if content is None or isinstance(content, str):
-        return message
-    if not isinstance(content, list):
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_url", "video_url", "image", "video"):
+                raise NotImplementedError(f"content parts of type {kind!r} need a multimodal model, "
+                                          "not supported yet")
+    elif content is not None and not isinstance(content, str):
         raise TypeError(f"message content must be a str or a list of parts, got {type(content).__name__}")
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            texts.append(part.get("text", ""))
-        elif kind in ("image_url", "video_url", "image", "video"):
-            raise NotImplementedError(f"content parts of type {kind!r} need a multimodal model, not supported yet")
-        else:
-            raise ValueError(f"content part type must be 'text', 'image_url' or 'video_url', got {part!r}")
-    return {**message, "content": "".join(texts)}
+    return message
 
 
 class LLM:
@@ -105,11 +100,10 @@ class LLM:
         requests = []
         for index, (conversation, p) in enumerate(zip(conversations, params)):
             start = time.time()
-            text = tokenizer.apply_chat_template([_message_text(m) for m in conversation],
-                                                 add_generation_prompt=True, chat_template=chat_template,
-                                                 **(chat_template_kwargs or {}))
-            # The template writes its own BOS/cls token: encoding must not add another.
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            conversation = [_check_message(m) for m in conversation]
+            kwargs = dict(add_generation_prompt=True, chat_template=chat_template, **(chat_template_kwargs or {}))
+            text = tokenizer.apply_chat_template(conversation, **kwargs)
+            ids = tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
             requests.append(self._make_request(text, ids, p, index, start))
         return self._run(requests, use_tqdm)
 

@@ -1,0 +1,170 @@
+"""BlockManager and Scheduler on their own, with hand-checked expectations."""
+import numpy as np
+import pytest
+
+from fastdeploy.engine.block_manager import BlockManager
+from fastdeploy.engine.request import Request, RequestMetrics, RequestStatus
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.engine.scheduler import Scheduler
+
+
+def make_request(tokens, rid="r"):
+    return Request(request_id=rid, index=0, prompt=None, prompt_token_ids=list(tokens),
+                   params=SamplingParams(), max_tokens=8, eos_token_ids=frozenset(),
+                   generator=np.random.default_rng(0), metrics=RequestMetrics(arrival_time=0.0))
+
+
+def run_prefill(bm, request):
+    hits = bm.match_prefix(request)
+    num_new = request.num_tokens - len(hits) * bm.block_size
+    assert bm.allocate(request, num_new, hits)
+    request.num_computed_tokens += num_new
+    bm.cache_full_blocks(request)
+    return hits
+
+
+def test_allocation_covers_tokens_and_release_returns_blocks():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    r = make_request(range(9))
+    assert bm.allocate(r, 9)
+    assert len(r.block_table) == 3 and bm.num_free_blocks == 7
+    r.num_computed_tokens = 9
+    assert bm.allocate(r, 3)  # 12 tokens still fit in 3 blocks
+    assert len(r.block_table) == 3
+    assert bm.allocate(r, 4)  # 13 tokens need a 4th
+    assert len(r.block_table) == 4
+    bm.release(r)
+    assert bm.num_free_blocks == 10 and r.block_table == [] and r.num_computed_tokens == 0
+
+
+def test_allocation_fails_without_side_effects():
+    bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
+    r = make_request(range(12))
+    assert not bm.allocate(r, 12)
+    assert r.block_table == [] and bm.num_free_blocks == 2
+
+
+def test_prefix_hit_reuses_full_blocks_and_leaves_one_token():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    a = make_request(list(range(10)), "a")
+    assert run_prefill(bm, a) == []
+    b = make_request(list(range(9)) + [99], "b")  # shares 9 tokens = 2 full blocks
+    hits = run_prefill(bm, b)
+    assert hits == a.block_table[:2]
+    assert b.num_cached_tokens == 8
+    # A prompt made only of cached full blocks keeps its last block to compute.
+    c = make_request(list(range(8)), "c")
+    assert bm.match_prefix(c) == a.block_table[:1]
+
+
+def test_prefix_chain_depends_on_whole_prefix():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    run_prefill(bm, make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], "a"))
+    # Same second block, different first block: no hit.
+    assert bm.match_prefix(make_request([0, 2, 3, 4, 5, 6, 7, 8, 9], "b")) == []
+
+
+def test_freed_cached_blocks_survive_until_needed_then_get_evicted():
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=True)
+    a = make_request(list(range(9)), "a")
+    run_prefill(bm, a)
+    bm.release(a)
+    again = make_request(list(range(9)), "a2")
+    assert len(bm.match_prefix(again)) == 2  # still cached after release
+    other = make_request([50 + i for i in range(12)], "o")
+    run_prefill(bm, other)  # needs all 3 blocks: evicts the cached ones
+    assert bm.match_prefix(make_request(list(range(9)), "a3")) == []
+
+
+def test_shared_block_is_not_freed_while_referenced():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = make_request(list(range(9)), "a")
+    run_prefill(bm, a)
+    b = make_request(list(range(9)), "b")
+    run_prefill(bm, b)
+    shared = a.block_table[0]
+    assert b.block_table[0] == shared and bm.blocks[shared].ref_count == 2
+    bm.release(a)
+    assert bm.blocks[shared].ref_count == 1 and shared not in bm.free
+
+
+def scheduler_with(num_blocks, block_size=4, max_num_seqs=4, budget=64, chunked=False, caching=False):
+    return Scheduler(BlockManager(num_blocks, block_size, caching), max_num_seqs, budget, chunked)
+
+
+def complete_step(sched, batch):
+    for r, n in zip(batch.requests, batch.num_new_tokens):
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.token_ids.append(7)  # a generated token
+
+
+def test_budget_and_max_num_seqs():
+    sched = scheduler_with(num_blocks=64, max_num_seqs=2, budget=64)
+    reqs = [make_request(range(10), str(i)) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    batch = sched.schedule()
+    assert batch.requests == reqs[:2] and batch.num_new_tokens == [10, 10]
+    assert [r.status for r in reqs] == [RequestStatus.RUNNING, RequestStatus.RUNNING, RequestStatus.WAITING]
+    complete_step(sched, batch)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [1, 1]  # decode steps; the third still waits for a free seat
+
+
+def test_chunked_prefill_splits_long_prompt_over_steps():
+    sched = scheduler_with(num_blocks=64, budget=8, chunked=True)
+    r = make_request(range(20))
+    sched.add(r)
+    seen = []
+    while r.num_computed_tokens < 20:
+        batch = sched.schedule()
+        seen.append(batch.num_new_tokens[0])
+        complete_step(sched, batch)
+    assert seen == [8, 8, 4]
+
+
+def test_without_chunking_a_prompt_over_budget_waits():
+    sched = scheduler_with(num_blocks=64, budget=8, chunked=False)
+    sched.add(make_request(range(6), "short"))
+    sched.add(make_request(range(20), "long"))
+    batch = sched.schedule()
+    assert [r.request_id for r in batch.requests] == ["short"]
+
+
+def test_preemption_frees_newest_request_and_it_resumes():
+    # 4 blocks of 4 tokens; two 8-token prompts take 2 blocks each; the first decode needs a 3rd.
+    sched = scheduler_with(num_blocks=4, budget=64)
+    a, b = make_request(range(8), "a"), make_request(range(100, 108), "b")
+    sched.add(a)
+    sched.add(b)
+    complete_step(sched, sched.schedule())  # both prefilled, each with a 9th (generated) token
+    batch = sched.schedule()  # a needs a 3rd block: b (newest) is preempted
+    assert batch.requests == [a] and sched.num_preemptions == 1
+    assert b.status is RequestStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert b.token_ids[-1] == 7  # its generated token is kept for recompute
+    sched.finish(a)
+    batch = sched.schedule()
+    assert batch.requests == [b] and batch.num_new_tokens == [9]
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_scheduler_never_exceeds_pool(caching):
+    rng = np.random.default_rng(0)
+    sched = scheduler_with(num_blocks=12, block_size=4, max_num_seqs=4, budget=16, chunked=True, caching=caching)
+    reqs = [make_request(rng.integers(0, 5, size=int(rng.integers(1, 15))).tolist(), str(i)) for i in range(10)]
+    for r in reqs:
+        sched.add(r)
+    for _ in range(400):
+        if not sched.has_unfinished():
+            break
+        batch = sched.schedule()
+        assert batch.total_tokens <= 16 and len(sched.running) <= 4
+        used = sum(1 for blk in sched.block_manager.blocks if blk.ref_count > 0)
+        assert used <= 12
+        complete_step(sched, batch)
+        for r in list(sched.running):
+            if r.num_output_tokens >= 6:
+                sched.finish(r)
+                r.status = RequestStatus.FINISHED
+    assert not sched.has_unfinished()
