@@ -1,0 +1,234 @@
+"""What the engine needs to know about a checkpoint, read from its config.json and generation_config.json.
+
+Both the HF layout (`-PT` repos, transformers' save_pretrained) and the Paddle layout (`-Paddle` repos)
+describe the model with the same field names; they differ in where the dtype (`torch_dtype` or `dtype`)
+and the rotary base (top-level `rope_theta` or `rope_parameters.rope_theta`) are written.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# generation_config.json field -> SamplingParams field (vLLM also maps max_new_tokens onto max_tokens).
+_GENERATION_FIELDS: dict[str, str] = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "max_new_tokens": "max_tokens",
+}
+_INT_GENERATION_FIELDS = {"top_k", "max_new_tokens"}
+
+_DTYPE_ALIASES: dict[str, str] = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model_path: str
+    architectures: list[str]
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    use_bias: bool = False
+    hidden_act: str = "silu"
+    dtype: str = "float32"  # what the checkpoint stores; the CPU math is float32 regardless
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # The whole config.json, for model-specific fields (MoE, multimodal) that later models read.
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
+        model_path = os.fspath(path)
+        if not os.path.isdir(model_path):
+            raise ValueError(f"model path {model_path!r} is not a directory")
+        config_file = os.path.join(model_path, CONFIG_FILE)
+        raw = _read_json(config_file, required=True)
+        assert raw is not None
+        gen_file = os.path.join(model_path, GENERATION_CONFIG_FILE)
+        gen = _read_json(gen_file, required=False) or {}
+        reader = _FieldReader(raw, config_file)
+
+        architectures = raw.get("architectures")
+        if (not isinstance(architectures, list) or not architectures
+                or not all(isinstance(a, str) for a in architectures)):
+            raise ValueError(f"{config_file}: field 'architectures' must be a non-empty list of strings, "
+                             f"got {architectures!r}")
+        hidden_size = reader.get_int("hidden_size")
+        num_heads = reader.get_int("num_attention_heads")
+        num_kv_heads = reader.get_int("num_key_value_heads", default=num_heads)
+        if hidden_size % num_heads and "head_dim" not in raw:
+            raise ValueError(f"{config_file}: 'hidden_size' ({hidden_size}) is not a multiple of "
+                             f"'num_attention_heads' ({num_heads}) and 'head_dim' is not given")
+        head_dim = reader.get_int("head_dim", default=hidden_size // num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{config_file}: 'num_attention_heads' ({num_heads}) must be a multiple of "
+                             f"'num_key_value_heads' ({num_kv_heads})")
+
+        eos_source, eos_value = (gen_file, gen["eos_token_id"]) if gen.get("eos_token_id") is not None \
+            else (config_file, raw.get("eos_token_id"))
+        return cls(
+            model_path=model_path,
+            architectures=list(architectures),
+            hidden_size=hidden_size,
+            intermediate_size=reader.get_int("intermediate_size"),
+            num_hidden_layers=reader.get_int("num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            vocab_size=reader.get_int("vocab_size"),
+            max_position_embeddings=reader.get_int("max_position_embeddings"),
+            rms_norm_eps=reader.get_float("rms_norm_eps", default=1e-6),
+            rope_theta=_rope_theta(raw, reader),
+            tie_word_embeddings=reader.get_bool("tie_word_embeddings", default=True),
+            use_bias=reader.get_bool("use_bias", default=False),
+            hidden_act=reader.get_str("hidden_act", default="silu"),
+            dtype=_dtype(raw, config_file),
+            bos_token_id=reader.get_optional_int("bos_token_id"),
+            eos_token_ids=_token_ids(eos_value, eos_source),
+            pad_token_id=reader.get_optional_int("pad_token_id"),
+            generation_defaults=_generation_defaults(gen, gen_file),
+            hf_config=raw,
+        )
+
+
+def _read_json(file: str, required: bool) -> dict[str, Any] | None:
+    if not os.path.isfile(file):
+        if required:
+            raise ValueError(f"{file} not found: a model directory needs a config.json")
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+class _FieldReader:
+    """Typed access to config.json fields with errors that name the file and the field."""
+
+    _MISSING = object()
+
+    def __init__(self, raw: dict[str, Any], file: str) -> None:
+        self.raw = raw
+        self.file = file
+
+    def _get(self, name: str, default: Any) -> Any:
+        value = self.raw.get(name, default)
+        if value is self._MISSING or (value is None and default is self._MISSING):
+            raise ValueError(f"{self.file}: required field '{name}' is missing")
+        return default if value is None else value
+
+    def get_int(self, name: str, default: Any = _MISSING) -> int:
+        value = self._get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{self.file}: field '{name}' must be a positive integer, got {value!r}")
+        return value
+
+    def get_optional_int(self, name: str) -> int | None:
+        value = self.raw.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{self.file}: field '{name}' must be a non-negative integer or null, got {value!r}")
+        return value
+
+    def get_float(self, name: str, default: Any = _MISSING) -> float:
+        value = self._get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{self.file}: field '{name}' must be a positive number, got {value!r}")
+        return float(value)
+
+    def get_bool(self, name: str, default: Any = _MISSING) -> bool:
+        value = self._get(name, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.file}: field '{name}' must be true or false, got {value!r}")
+        return value
+
+    def get_str(self, name: str, default: Any = _MISSING) -> str:
+        value = self._get(name, default)
+        if not isinstance(value, str):
+            raise ValueError(f"{self.file}: field '{name}' must be a string, got {value!r}")
+        return value
+
+
+def _rope_theta(raw: dict[str, Any], reader: _FieldReader) -> float:
+    # transformers 5 nests it in rope_parameters; older and Paddle configs keep it at the top level.
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        theta = params["rope_theta"]
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+            raise ValueError(f"{reader.file}: field 'rope_parameters.rope_theta' must be a positive number, "
+                             f"got {theta!r}")
+        rope_type = params.get("rope_type", "default")
+    else:
+        theta = reader.get_float("rope_theta", default=10000.0)
+        scaling = raw.get("rope_scaling")
+        rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else "default"
+    if rope_type not in (None, "default"):
+        raise ValueError(f"{reader.file}: rope type {rope_type!r} is not supported (only 'default')")
+    return float(theta)
+
+
+def _dtype(raw: dict[str, Any], file: str) -> str:
+    name, value = next(((k, raw[k]) for k in ("dtype", "torch_dtype") if raw.get(k) is not None),
+                       ("dtype", "float32"))
+    canonical = _DTYPE_ALIASES.get(str(value).removeprefix("torch.").lower()) if isinstance(value, str) else None
+    if canonical is None:
+        raise ValueError(f"{file}: field '{name}' must be one of bfloat16, float16, float32, got {value!r}")
+    return canonical
+
+
+def _token_ids(value: Any, file: str) -> list[int]:
+    if value is None:
+        return []
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{file}: field 'eos_token_id' must be a token id or a list of them, got {value!r}")
+    return list(ids)
+
+
+def _generation_defaults(gen: dict[str, Any], file: str) -> dict[str, Any]:
+    defaults: dict[str, Any] = {}
+    for src, dst in _GENERATION_FIELDS.items():
+        value = gen.get(src)
+        if value is None:
+            continue
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if src in _INT_GENERATION_FIELDS:
+            if not is_int:
+                raise ValueError(f"{file}: field '{src}' must be an integer, got {value!r}")
+        elif not (is_int or isinstance(value, float)):
+            raise ValueError(f"{file}: field '{src}' must be a number, got {value!r}")
+        defaults[dst] = value if src in _INT_GENERATION_FIELDS else float(value)
+    if defaults:
+        logger.debug("generation defaults from %s: %s", file, defaults)
+    return defaults

@@ -1,0 +1,120 @@
+"""ERNIE-4.5 dense decoder (the 0.3B): RMSNorm, interleaved rotary, GQA, SiLU-gated MLP.
+
+Parameter names follow the Paddle checkpoints (fused `qkv_proj` and `up_gate_proj`, weights
+[in, out]); `packed_modules_mapping` tells load.py where HF's separate q/k/v and gate/up go.
+"""
+from __future__ import annotations
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.layers.attention import Attention
+from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
+from fastdeploy.model_executor.layers.linear import Linear, MergedLinear
+from fastdeploy.model_executor.layers.norm import RMSNorm
+from fastdeploy.model_executor.layers.rotary import RotaryEmbedding
+
+
+class Ernie4_5Attention(nn.Layer):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.use_bias,
+                                     shard_names=["q", "k", "v"])
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.use_bias)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_idx)
+
+    def forward(self, hidden: paddle.Tensor, rotary: RotaryEmbedding,
+                cos_sin: tuple[paddle.Tensor, paddle.Tensor]) -> paddle.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.reshape([-1, self.num_heads, self.head_dim])
+        k = k.reshape([-1, self.num_kv_heads, self.head_dim])
+        v = v.reshape([-1, self.num_kv_heads, self.head_dim])
+        q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Ernie4_5MLP(nn.Layer):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported by ERNIE-4.5 (only 'silu')")
+        ffn = config.intermediate_size
+        self.up_gate_proj = MergedLinear(config.hidden_size, [ffn, ffn], bias=config.use_bias,
+                                         shard_names=["gate", "up"])
+        self.down_proj = Linear(ffn, config.hidden_size, bias=config.use_bias)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        gate, up = self.up_gate_proj.split(self.up_gate_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Ernie4_5DecoderLayer(nn.Layer):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Ernie4_5Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Ernie4_5MLP(config)
+
+    def forward(self, hidden: paddle.Tensor, residual: paddle.Tensor | None, rotary: RotaryEmbedding,
+                cos_sin: tuple[paddle.Tensor, paddle.Tensor]) -> tuple[paddle.Tensor, paddle.Tensor]:
+        # The residual add is folded into the next norm: returns (block output, running residual).
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, cos_sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Ernie4_5Model(nn.Layer):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.LayerList([Ernie4_5DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, interleaved=True)
+
+    def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, self.rotary, cos_sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Ernie4_5ForCausalLM(nn.Layer):
+    # Checkpoint module name -> (our fused module, its part). Paddle checkpoints already use the fused names.
+    packed_modules_mapping: dict[str, tuple[str, str]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("up_gate_proj", "gate"),
+        "up_proj": ("up_gate_proj", "up"),
+    }
+    # Prefix of the decoder's tensors in Paddle checkpoints, used instead of HF's "model.".
+    paddle_prefix = "ernie."
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Ernie4_5Model(config)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size,
+                              tied_embedding=self.model.embed_tokens if config.tie_word_embeddings else None)
+
+    def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
+        """input_ids, positions [T] int64 (the step's ragged batch) -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).astype("float32")

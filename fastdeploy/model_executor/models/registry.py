@@ -1,0 +1,27 @@
+"""Architecture name (config.json `architectures`) -> model class, imported on first use."""
+from __future__ import annotations
+
+import importlib
+
+# architecture -> (module under fastdeploy.model_executor.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),  # HF (-PT) spelling
+    "Ernie4_5_ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),  # Paddle spelling, same model
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str]) -> type:
+    """The class of the first architecture in the list that is supported."""
+    if isinstance(architectures, str) or not isinstance(architectures, (list, tuple)):
+        raise TypeError(f"architectures must be a list of names, got {architectures!r}")
+    for arch in architectures:
+        if arch in _MODELS:
+            module_name, class_name = _MODELS[arch]
+            module = importlib.import_module(f"fastdeploy.model_executor.models.{module_name}")
+            return getattr(module, class_name)
+    raise ValueError(f"unsupported architecture(s) {list(architectures)}; "
+                     f"supported: {', '.join(supported_architectures())}")
