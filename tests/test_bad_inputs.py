@@ -53,6 +53,7 @@ def test_sampling_params_validation(kwargs, error, name):
     ({"quantization": "int3"}, ValueError, "quantization"),
     ({"seed": -5}, ValueError, "seed"),
     ({"max_logprobs": -2}, ValueError, "max_logprobs"),
+    ({"reasoning_parser": "deepseek"}, ValueError, "ernie-x1"),
     ({"tokenizer": "/nonexistent"}, ValueError, "tokenizer"),
     ({"no_such_option": 1}, TypeError, "no_such_option"),
 ])
@@ -70,7 +71,6 @@ def test_model_must_be_a_directory(tmp_path):
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"quantization": "wint8"}, "quantization"),
     ({"enable_mm": True}, "enable_mm"),
-    ({"reasoning_parser": "ernie-x1"}, "reasoning_parser"),
 ])
 def test_not_yet_supported_parameters_refuse_loudly(tiny_hf, kwargs, name):
     with pytest.raises(NotImplementedError, match=name):

@@ -41,8 +41,8 @@ class BlockManager:
     def match_prefix(self, request: Request) -> list[int]:
         """Ids of cached blocks holding a prefix of the request's tokens. At least one token is
         always left to compute, because the step that computes it also yields the next logits."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         hits: list[int] = []
         parent = None
         max_blocks = (request.num_tokens - 1) // self.block_size

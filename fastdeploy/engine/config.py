@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.reasoning.parsers import known_parsers
 
 QUANTIZATIONS = ("wint8", "wint4")
 MAX_NUM_SEQS_LIMIT = 256
@@ -100,8 +101,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be None or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise TypeError("chat_template must be a Jinja template string or a path to a template file")
-        if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, str):
-            raise TypeError(f"reasoning_parser must be a parser name, got {self.reasoning_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in known_parsers():
+            raise ValueError(f"reasoning_parser must be one of {list(known_parsers())} or None, "
+                             f"got {self.reasoning_parser!r}")
         self._refuse_not_yet_supported()
 
     def _check_batched_tokens(self) -> None:
@@ -129,9 +131,6 @@ class EngineConfig:
             raise NotImplementedError("multimodal models (enable_mm) are not supported yet")
         if self.quantization is not None:
             raise NotImplementedError(f"quantization={self.quantization!r} is not supported yet; use None")
-        if self.reasoning_parser is not None:
-            raise NotImplementedError(f"reasoning_parser={self.reasoning_parser!r}: reasoning parsers are not "
-                                      "supported yet; use None")
 
     @property
     def max_blocks_per_seq(self) -> int:

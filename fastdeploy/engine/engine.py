@@ -10,30 +10,25 @@ import numpy as np
 
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.config import EngineConfig
-from fastdeploy.engine.request import (CompletionOutput, Logprob, Request, RequestMetrics, RequestOutput,
-                                       RequestStatus)
+from fastdeploy.engine.request import Request, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.input.tokenizer import Tokenizer
+from fastdeploy.output.output_processor import OutputProcessor
+from fastdeploy.reasoning.parsers import THINK_END, get_reasoning_parser
 from fastdeploy.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-
-def not_yet_supported(params: SamplingParams) -> str | None:
-    """Name the first requested feature this engine cannot do yet."""
-    if params.n != 1:
-        return "n > 1"
-    for name in ("stop", "bad_words", "bad_words_token_ids", "prompt_logprobs", "reasoning_max_tokens"):
-        if getattr(params, name) is not None:
-            return name
-    return None
+FORCED_THINK_END = "\n" + THINK_END + "\n\n"  # what ends a thinking part cut by reasoning_max_tokens
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer, chat_template=config.chat_template)
+        parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+        self.output_processor = OutputProcessor(self.tokenizer, parser)
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -47,16 +42,21 @@ class LLMEngine:
             self.runner.warmup()
 
     # ---- requests -------------------------------------------------------------------------
-    def make_request(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                     index: int, arrival_time: float | None = None) -> Request:
-        """A Request; problems with this one request are recorded on it (error_code 400)."""
+    def make_request(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, index: int,
+                     arrival_time: float | None = None, sample: int = 0, enable_thinking: bool = True,
+                     leader: Request | None = None) -> Request:
+        """A Request; problems with this one request are recorded on it (error_code 400).
+        `sample` numbers the n samples of one prompt; each draws from its own generator."""
         number = next(self._ids)
         params = params.with_model_defaults(self.config.model_config.generation_defaults)
-        generator = np.random.default_rng(params.seed if params.seed is not None else [self.config.seed, number])
+        seed = [params.seed, sample] if params.seed is not None else [self.config.seed, number]
         request = Request(
             request_id=str(number), index=index, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
             params=params, max_tokens=0, eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            generator=generator, metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
+            generator=np.random.default_rng(seed), metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
+        if params.reasoning_max_tokens is not None and self.output_processor.reasoning_parser is None:
+            raise ValueError("reasoning_max_tokens needs a thinking model run with reasoning_parser set on the LLM")
+        self.output_processor.start(request, enable_thinking)
         error = self._validate(request)
         if error:
             request.error_code, request.error_msg = 400, error
@@ -64,6 +64,12 @@ class LLMEngine:
             return request
         # As FastDeploy: max_tokens is cut to what fits after the prompt.
         request.max_tokens = min(params.max_tokens or self._room(request), self._room(request))
+        request.bad_words = self.output_processor.bad_word_sequences(params.bad_words or ())
+        request.bad_words += [(t,) for t in params.bad_words_token_ids or ()]
+        if self.config.enable_prefix_caching and params.prompt_logprobs is None:
+            request.prefix_leader = leader
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
         return request
 
     def _room(self, request: Request) -> int:
@@ -73,9 +79,6 @@ class LLMEngine:
 
     def _validate(self, request: Request) -> str | None:
         n, params, cfg = request.num_prompt_tokens, request.params, self.config
-        unsupported = not_yet_supported(params)
-        if unsupported:
-            raise NotImplementedError(f"SamplingParams {unsupported} is not supported yet")
         if n == 0:
             return "the prompt is empty: it must have at least one token"
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -86,9 +89,13 @@ class LLMEngine:
                     "(the prompt must be shorter than max_model_len)")
         if self._room(request) < 1:
             return f"the prompt has {n} tokens; the KV cache holds only {self.runner.num_blocks * cfg.block_size}"
-        if params.logprobs is not None and cfg.max_logprobs != -1 and (
-                params.logprobs == -1 or params.logprobs > cfg.max_logprobs):
-            return f"logprobs={params.logprobs} is more than max_logprobs={cfg.max_logprobs}"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and cfg.max_logprobs != -1 and (k == -1 or k > cfg.max_logprobs):
+                return f"{name}={k} is more than max_logprobs={cfg.max_logprobs}"
+        bad = [t for t in (params.stop_token_ids or []) + (params.bad_words_token_ids or []) if t >= self.vocab_size]
+        if bad:
+            return f"stop_token_ids and bad_words_token_ids must be < vocab size {self.vocab_size}, got {bad}"
         return None
 
     def add_request(self, request: Request) -> None:
@@ -100,7 +107,7 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one scheduler + model step; return the requests that finished in it."""
+        """Run one scheduler + model step; return the requests that got a new token in it."""
         batch = self.scheduler.schedule()
         if not batch.requests:
             raise RuntimeError("scheduler made no progress: no request fits the KV cache")
@@ -110,17 +117,25 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(request)
             forward = request.metrics.model_forward_time or 0.0
             request.metrics.model_forward_time = forward + result.forward_seconds
+        processor = self.output_processor
+        for request, position, *top in result.prompt_logprobs:
+            if len(request.prompt_logprobs) == position + 1:  # not yet recorded (before a preemption)
+                request.prompt_logprobs.append(processor.logprob_entry(request.prompt_token_ids[position + 1], *top))
 
-        finished = []
+        stepped = []
         for row, (request, token) in enumerate(result.sampled):
             request.append_token(token)
             if row in result.logprobs:
-                self._record_logprobs(request, token, *result.logprobs[row])
+                if request.logprobs is None:
+                    request.logprobs = []
+                request.logprobs.append(processor.logprob_entry(token, *result.logprobs[row]))
             self._check_stop(request, token)
+            processor.on_token(request, token)
+            self._limit_reasoning(request)
             if request.is_finished:
                 self.scheduler.finish(request)
-                finished.append(request)
-        return finished
+            stepped.append(request)
+        return stepped
 
     def _check_stop(self, request: Request, token: int) -> None:
         if request.num_output_tokens >= request.params.min_tokens:
@@ -131,18 +146,14 @@ class LLMEngine:
         if request.num_output_tokens >= request.max_tokens:
             request.finish("length")
 
-    def _record_logprobs(self, request: Request, token: int, top_ids: np.ndarray, top_logprobs: np.ndarray,
-                         logprob: float, rank: int) -> None:
-        entry = {int(t): Logprob(float(lp), i + 1, self._decode_one(int(t)))
-                 for i, (t, lp) in enumerate(zip(top_ids, top_logprobs))}
-        if token not in entry:
-            entry[token] = Logprob(logprob, rank, self._decode_one(token))
-        if request.logprobs is None:
-            request.logprobs = []
-        request.logprobs.append(entry)
-
-    def _decode_one(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+    def _limit_reasoning(self, request: Request) -> None:
+        """After reasoning_max_tokens thinking tokens, force the end of the thinking part."""
+        limit = request.params.reasoning_max_tokens
+        if limit is None or not request.reasoning or request.is_finished or THINK_END in request.text:
+            return
+        request.num_reasoning_tokens += 1
+        if request.num_reasoning_tokens == limit and not request.forced_tokens:
+            request.forced_tokens = self.tokenizer.encode(FORCED_THINK_END, add_special_tokens=False)
 
     def abort_all(self) -> None:
         """Drop every queued and running request (e.g. after Ctrl-C), freeing their blocks."""
@@ -152,15 +163,5 @@ class LLMEngine:
         while self.scheduler.waiting:
             self.scheduler.waiting.popleft().finish("abort")
 
-    # ---- outputs --------------------------------------------------------------------------
-    def make_output(self, request: Request) -> RequestOutput:
-        token_ids = request.output_token_ids
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=request.params.skip_special_tokens)
-        completion = CompletionOutput(
-            index=request.index, send_idx=max(len(token_ids) - 1, 0), token_ids=token_ids, text=text,
-            logprobs=request.logprobs, finish_reason=request.finish_reason, stop_reason=request.stop_reason)
-        return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            outputs=completion, finished=request.status is RequestStatus.FINISHED, metrics=request.metrics,
-            num_cached_tokens=request.num_cached_tokens, error_code=request.error_code,
-            error_msg=request.error_msg, prompt_logprobs=request.prompt_logprobs)
+    def make_output(self, request: Request, delta: bool = False) -> RequestOutput:
+        return self.output_processor.make_output(request, delta)

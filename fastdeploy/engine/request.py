@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.output.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -88,6 +89,18 @@ class Request:
     stop_reason: int | str | None = None
     error_code: int = 200
     error_msg: str | None = None
+    # Generation controls resolved from the params.
+    bad_words: list[tuple[int, ...]] = field(default_factory=list)  # banned token sequences
+    forced_tokens: list[int] = field(default_factory=list)  # emitted next instead of sampling
+    prefix_leader: Request | None = None  # a sibling (n > 1) whose prompt blocks this one reuses
+    # Text state, kept by the OutputProcessor.
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""  # output text so far, cut at a matched stop string
+    reasoning: bool = False  # the reasoning parser applies to this output
+    num_reasoning_tokens: int = 0
+    sent_tokens: int = 0  # for streaming: what earlier deltas carried
+    sent_text: int = 0
+    sent_reasoning: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -60,6 +60,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     ignore_eos: bool = False
+    logits_processors_args: dict[str, Any] | None = None  # {"logit_bias": {token_id: bias}}
 
     def __post_init__(self) -> None:
         self._verify()
@@ -129,6 +130,33 @@ class SamplingParams:
             if self.max_tokens is not None and self.reasoning_max_tokens > self.max_tokens:
                 raise ValueError(f"reasoning_max_tokens must be <= max_tokens ({self.max_tokens}), "
                                  f"got {self.reasoning_max_tokens}")
+
+        if self.logits_processors_args is not None:
+            self._verify_logits_processors_args()
+
+    def _verify_logits_processors_args(self) -> None:
+        args = self.logits_processors_args
+        if not isinstance(args, dict):
+            raise TypeError(f"logits_processors_args must be a dict, got {type(args).__name__}")
+        unknown = sorted(set(args) - {"logit_bias"})
+        if unknown:
+            raise ValueError(f"logits_processors_args supports only 'logit_bias', got {unknown}")
+        bias = args.get("logit_bias", {})
+        if not isinstance(bias, dict):
+            raise TypeError("logits_processors_args['logit_bias'] must be a dict {token_id: bias}")
+        for token, value in bias.items():
+            if isinstance(token, str) and token.isdigit():
+                token = int(token)  # JSON turns keys into strings
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            _number("logit_bias value", value)
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+
+    @property
+    def logit_bias(self) -> dict[int, float]:
+        bias = (self.logits_processors_args or {}).get("logit_bias") or {}
+        return {int(k): float(v) for k, v in bias.items()}
 
     @property
     def stop_strings(self) -> list[str]:

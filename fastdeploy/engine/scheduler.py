@@ -73,6 +73,9 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash the cache.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            leader = request.prefix_leader
+            if leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens:
+                break  # a sibling sample waits one step to reuse its leader's cached prompt blocks
             hits = self.block_manager.match_prefix(request)
             num_new = request.num_tokens - request.num_computed_tokens - len(hits) * self.block_manager.block_size
             if num_new > budget:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Union
 
 from tqdm.auto import tqdm
@@ -75,37 +75,40 @@ class LLM:
 
     # ---- public API -----------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, stream: bool = False) -> list[RequestOutput]:
-        if stream:
-            raise NotImplementedError("stream=True is not supported yet")
+                 use_tqdm: bool = True, stream: bool = False
+                 ) -> list[RequestOutput] | Iterator[list[RequestOutput | None]]:
+        """Complete each prompt. With n > 1 a prompt gives n outputs, one after another.
+        stream=True returns a generator: each item is a list with one slot per output, holding a
+        RequestOutput with only the new tokens and text where the step produced some, else None."""
         items = normalize_prompts(prompts)
         params = self._params_per_prompt(sampling_params, len(items))
         requests = []
-        for index, (item, p) in enumerate(zip(items, params)):
+        for item, p in zip(items, params):
             start = time.time()
             text, ids = self._tokenize(item)
-            requests.append(self._make_request(text, ids, p, index, start))
-        return self._run(requests, use_tqdm)
+            requests.extend(self._make_requests(text, ids, p, start, len(requests)))
+        return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-             chat_template: str | None = None, stream: bool = False) -> list[RequestOutput]:
-        if stream:
-            raise NotImplementedError("stream=True is not supported yet")
+             chat_template: str | None = None, stream: bool = False
+             ) -> list[RequestOutput] | Iterator[list[RequestOutput | None]]:
+        """Render each conversation with the chat template, then complete it as generate() does."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         conversations = normalize_conversations(messages)
         params = self._params_per_prompt(sampling_params, len(conversations))
         tokenizer = self.engine.tokenizer
+        thinking = bool((chat_template_kwargs or {}).get("enable_thinking", True))
         requests = []
-        for index, (conversation, p) in enumerate(zip(conversations, params)):
+        for conversation, p in zip(conversations, params):
             start = time.time()
             conversation = [_check_message(m) for m in conversation]
             kwargs = dict(add_generation_prompt=True, chat_template=chat_template, **(chat_template_kwargs or {}))
             text = tokenizer.apply_chat_template(conversation, **kwargs)
             ids = tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
-            requests.append(self._make_request(text, ids, p, index, start))
-        return self._run(requests, use_tqdm)
+            requests.extend(self._make_requests(text, ids, p, start, len(requests), thinking))
+        return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
 
     # ---- helpers --------------------------------------------------------------------------
     @staticmethod
@@ -140,13 +143,36 @@ class LLM:
             return text, self.engine.tokenizer.encode(text)
         return None, list(item)
 
-    def _make_request(self, text: str | None, ids: list[int], params: SamplingParams, index: int,
-                      start: float) -> Request:
-        request = self.engine.make_request(text, ids, params, index, arrival_time=time.time())
-        request.metrics.preprocess_cost_time = request.metrics.arrival_time - start
-        return request
+    def _make_requests(self, text: str | None, ids: list[int], params: SamplingParams, start: float,
+                       first_index: int, enable_thinking: bool = True) -> list[Request]:
+        """The params.n samples of one prompt; later ones reuse the first one's cached prompt."""
+        requests: list[Request] = []
+        for sample in range(params.n):
+            request = self.engine.make_request(text, ids, params, first_index + sample, arrival_time=time.time(),
+                                               sample=sample, enable_thinking=enable_thinking,
+                                               leader=requests[0] if requests else None)
+            request.metrics.preprocess_cost_time = request.metrics.arrival_time - start
+            requests.append(request)
+        return requests
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        for _ in self._steps(requests, use_tqdm):
+            pass
+        return [self.engine.make_output(r) for r in requests]
+
+    def _stream(self, requests: list[Request], use_tqdm: bool) -> Iterator[list[RequestOutput | None]]:
+        position = {id(r): i for i, r in enumerate(requests)}
+        rejected = [r for r in requests if r.is_finished]
+        if rejected:
+            yield [self.engine.make_output(r, delta=True) if r.is_finished else None for r in requests]
+        for stepped in self._steps(requests, use_tqdm):
+            chunk: list[RequestOutput | None] = [None] * len(requests)
+            for request in stepped:
+                chunk[position[id(request)]] = self.engine.make_output(request, delta=True)
+            yield chunk
+
+    def _steps(self, requests: list[Request], use_tqdm: bool) -> Iterator[list[Request]]:
+        """Step the engine until the requests are done; yield the requests each step advanced."""
         engine = self.engine
         for request in requests:
             engine.add_request(request)
@@ -155,7 +181,8 @@ class LLM:
         start, tokens_in, tokens_out = time.perf_counter(), 0, 0
         try:
             while engine.has_unfinished():
-                finished = engine.step()
+                stepped = engine.step()
+                finished = [r for r in stepped if r.is_finished]
                 for request in finished:
                     tokens_in += request.num_prompt_tokens
                     tokens_out += request.num_output_tokens
@@ -164,9 +191,10 @@ class LLM:
                     bar.set_postfix_str(f"est. speed input: {tokens_in / elapsed:.2f} toks/s, "
                                         f"output: {tokens_out / elapsed:.2f} toks/s")
                     bar.update(len(finished))
+                if stepped:
+                    yield stepped
         except BaseException:
-            engine.abort_all()  # leave the engine usable after Ctrl-C or an error
+            engine.abort_all()  # leave the engine usable after Ctrl-C, an error, or a dropped stream
             raise
         finally:
             bar.close()
-        return [engine.make_output(r) for r in requests]

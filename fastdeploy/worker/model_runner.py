@@ -27,11 +27,53 @@ logger = logging.getLogger(__name__)
 ACTIVATION_RESERVE = 0.1  # share of the memory budget kept for activations
 
 
+TopLogprobs = tuple[np.ndarray, np.ndarray, float, int]  # top ids, their logprobs, target logprob, target rank
+
+
 @dataclass(slots=True)
 class StepResult:
     sampled: list[tuple[Request, int]]  # requests that got a new token this step
-    logprobs: dict[int, tuple[np.ndarray, np.ndarray, float, int]]  # row -> (top ids, top logprobs, logprob, rank)
+    logprobs: dict[int, TopLogprobs]  # index into `sampled` -> logprobs of that token
+    prompt_logprobs: list[tuple[Request, int, np.ndarray, np.ndarray, float, int]]  # (request, position, *top)
     forward_seconds: float
+
+
+def top_logprobs(logp: np.ndarray, k: int, target: int) -> TopLogprobs:
+    """The k best entries of one row of log-probabilities (k=-1: all), and the target's logprob and rank."""
+    vocab = logp.shape[-1]
+    k = vocab if k == -1 else min(k, vocab)
+    top = np.argpartition(-logp, k - 1)[:k] if 0 < k < vocab else np.arange(k)
+    top = top[np.argsort(-logp[top], kind="stable")]
+    rank = int((logp > logp[target]).sum()) + 1
+    return top, logp[top], float(logp[target]), rank
+
+
+def banned_tokens(request: Request) -> list[int]:
+    """Ids the request must not produce next: EOS and stop ids before min_tokens, and the last
+    token of every bad-word sequence whose other tokens end the output."""
+    banned = []
+    if request.num_output_tokens < request.params.min_tokens:
+        banned.extend(request.eos_token_ids)
+        banned.extend(request.params.stop_token_ids or ())
+    if request.bad_words:
+        output = request.output_token_ids
+        for seq in request.bad_words:
+            if len(seq) == 1 or (len(seq) - 1 <= len(output) and tuple(output[len(output) - len(seq) + 1:]) == seq[:-1]):
+                banned.append(seq[-1])
+    return banned
+
+
+def with_logit_bias(logits: paddle.Tensor, requests: list[Request]) -> paddle.Tensor | np.ndarray:
+    """The sampler's input: logits plus each request's logit_bias (before penalties, as vLLM does);
+    the raw logits stay untouched for logprobs."""
+    biases = [r.params.logit_bias for r in requests]
+    if not any(biases):
+        return logits
+    biased = np.array(logits.numpy(), copy=True)
+    for row, bias in enumerate(biases):
+        if bias:
+            biased[row, list(bias)] += np.asarray(list(bias.values()), dtype=biased.dtype)
+    return biased
 
 
 def host_memory_bytes() -> int:
@@ -81,8 +123,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         start = time.perf_counter()
         requests, counts = batch.requests, batch.num_new_tokens
-        ids, positions = [], []
-        context_lens = []
+        ids, positions, context_lens = [], [], []
         for request, n in zip(requests, counts):
             begin = request.num_computed_tokens
             ids.extend(request.token_ids[begin:begin + n])
@@ -94,28 +135,41 @@ class ModelRunner:
             hidden = self.model(paddle.to_tensor(np.asarray(ids, dtype=np.int64)),
                                 paddle.to_tensor(np.asarray(positions, dtype=np.int64)))
 
-        # Rows that finish their known tokens this step produce the next token.
-        last_rows = np.cumsum(counts) - 1
+        # Rows that finish their known tokens this step produce the next token; prompt rows of
+        # requests asking for prompt_logprobs get logits too.
+        offsets = np.cumsum([0] + list(counts))
         sampling = [i for i, (r, c) in enumerate(zip(requests, context_lens)) if c == r.num_tokens]
-        if not sampling:
-            return StepResult([], {}, time.perf_counter() - start)
-        logits = self.model.compute_logits(paddle.gather(hidden, paddle.to_tensor(last_rows[sampling])))
+        prompt_rows = [(r, p, int(offsets[i]) + p - r.num_computed_tokens)
+                       for i, r in enumerate(requests) if r.params.prompt_logprobs is not None
+                       for p in range(r.num_computed_tokens, min(context_lens[i], r.num_prompt_tokens - 1))]
+        rows = [int(offsets[i + 1]) - 1 for i in sampling] + [row for _, _, row in prompt_rows]
+        if not rows:
+            return StepResult([], {}, [], time.perf_counter() - start)
+        logits = self.model.compute_logits(paddle.gather(hidden, paddle.to_tensor(np.asarray(rows, np.int64))))
         chosen = [requests[i] for i in sampling]
-        tokens = self.sampler(logits, self._sampling_batch(chosen))
-        logprobs = self._logprobs(logits, chosen, tokens)
-        sampled = [(r, int(t)) for r, t in zip(chosen, tokens)]
-        return StepResult(sampled, logprobs, time.perf_counter() - start)
+        tokens: list[int] = []
+        if chosen:
+            tokens = self.sampler(with_logit_bias(logits[:len(chosen)], chosen), self._sampling_batch(chosen)).tolist()
+            for j, r in enumerate(chosen):
+                if r.forced_tokens:
+                    tokens[j] = r.forced_tokens.pop(0)
+        logprob_rows = [j for j, r in enumerate(chosen) if r.params.logprobs is not None]
+        result = StepResult(list(zip(chosen, tokens)), {}, [], 0.0)
+        if logprob_rows or prompt_rows:
+            # Raw log-softmax of the model's logits (before penalties and temperature).
+            logp = paddle.nn.functional.log_softmax(logits, axis=-1).numpy()
+            for j in logprob_rows:
+                result.logprobs[j] = top_logprobs(logp[j], chosen[j].params.logprobs, tokens[j])
+            for j, (r, p, _) in enumerate(prompt_rows, start=len(chosen)):
+                result.prompt_logprobs.append(
+                    (r, p, *top_logprobs(logp[j], r.params.prompt_logprobs, r.prompt_token_ids[p + 1])))
+        result.forward_seconds = time.perf_counter() - start
+        return result
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
         def column(name: str, dtype: type) -> np.ndarray:
             return np.array([getattr(r.params, name) for r in requests], dtype=dtype)
 
-        banned = []
-        for r in requests:
-            if r.num_output_tokens < r.params.min_tokens:
-                banned.append(sorted(r.eos_token_ids | set(r.params.stop_token_ids or ())))
-            else:
-                banned.append(())
         return SamplingBatch(
             temperature=column("temperature", np.float32),
             top_p=column("top_p", np.float32),
@@ -126,28 +180,9 @@ class ModelRunner:
             presence_penalty=column("presence_penalty", np.float32),
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
-            banned_token_ids=banned,
+            banned_token_ids=[banned_tokens(r) for r in requests],
             generators=[r.generator for r in requests],
         )
-
-    def _logprobs(self, logits: paddle.Tensor, requests: list[Request], tokens: np.ndarray) -> dict:
-        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        if not rows:
-            return {}
-        # Raw log-softmax of the model's logits (before penalties and temperature).
-        logp = paddle.nn.functional.log_softmax(paddle.gather(logits, paddle.to_tensor(rows)), axis=-1).numpy()
-        vocab = logp.shape[-1]
-        out = {}
-        for j, i in enumerate(rows):
-            k = requests[i].params.logprobs
-            k = vocab if k == -1 else k
-            row = logp[j]
-            top = np.argpartition(-row, k - 1)[:k] if 0 < k < vocab else np.arange(vocab if k else 0)
-            top = top[np.argsort(-row[top], kind="stable")]
-            token = int(tokens[i])
-            rank = int((row > row[token]).sum()) + 1
-            out[i] = (top, row[top], float(row[token]), rank)
-        return out
 
     @paddle.no_grad()
     def warmup(self) -> None:
