@@ -2,7 +2,8 @@
 
 Both the HF layout (`-PT` repos, transformers' save_pretrained) and the Paddle layout (`-Paddle` repos)
 describe the model with the same field names; they differ in where the dtype (`torch_dtype` or `dtype`)
-and the rotary base (top-level `rope_theta` or `rope_parameters.rope_theta`) are written.
+and the rotary base (top-level `rope_theta` or `rope_parameters.rope_theta`) are written. Fields only one
+architecture has (MoE routing, q/k norms) are read by its model class through `ModelConfig.fields()`.
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ _GENERATION_FIELDS: dict[str, str] = {
     "max_new_tokens": "max_tokens",
 }
 _INT_GENERATION_FIELDS = {"top_k", "max_new_tokens"}
+
+# transformers' default for a missing `tie_word_embeddings` differs by model_type (Qwen's configs say False).
+_UNTIED_BY_DEFAULT = {"qwen2", "qwen3"}
 
 _DTYPE_ALIASES: dict[str, str] = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -72,7 +76,7 @@ class ModelConfig:
         assert raw is not None
         gen_file = os.path.join(model_path, GENERATION_CONFIG_FILE)
         gen = _read_json(gen_file, required=False) or {}
-        reader = _FieldReader(raw, config_file)
+        reader = FieldReader(raw, config_file)
 
         architectures = raw.get("architectures")
         if (not isinstance(architectures, list) or not architectures
@@ -105,7 +109,8 @@ class ModelConfig:
             max_position_embeddings=reader.get_int("max_position_embeddings"),
             rms_norm_eps=reader.get_float("rms_norm_eps", default=1e-6),
             rope_theta=_rope_theta(raw, reader),
-            tie_word_embeddings=reader.get_bool("tie_word_embeddings", default=True),
+            tie_word_embeddings=reader.get_bool("tie_word_embeddings",
+                                                default=raw.get("model_type") not in _UNTIED_BY_DEFAULT),
             use_bias=reader.get_bool("use_bias", default=False),
             hidden_act=reader.get_str("hidden_act", default="silu"),
             dtype=_dtype(raw, config_file),
@@ -115,6 +120,10 @@ class ModelConfig:
             generation_defaults=_generation_defaults(gen, gen_file),
             hf_config=raw,
         )
+
+    def fields(self) -> FieldReader:
+        """Typed access to config.json fields this class does not parse (errors name the file and field)."""
+        return FieldReader(self.hf_config, os.path.join(self.model_path, CONFIG_FILE))
 
 
 def _read_json(file: str, required: bool) -> dict[str, Any] | None:
@@ -132,7 +141,7 @@ def _read_json(file: str, required: bool) -> dict[str, Any] | None:
     return data
 
 
-class _FieldReader:
+class FieldReader:
     """Typed access to config.json fields with errors that name the file and the field."""
 
     _MISSING = object()
@@ -147,10 +156,11 @@ class _FieldReader:
             raise ValueError(f"{self.file}: required field '{name}' is missing")
         return default if value is None else value
 
-    def get_int(self, name: str, default: Any = _MISSING) -> int:
+    def get_int(self, name: str, default: Any = _MISSING, minimum: int = 1) -> int:
         value = self._get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{self.file}: field '{name}' must be a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise ValueError(f"{self.file}: field '{name}' must be {what}, got {value!r}")
         return value
 
     def get_optional_int(self, name: str) -> int | None:
@@ -180,7 +190,7 @@ class _FieldReader:
         return value
 
 
-def _rope_theta(raw: dict[str, Any], reader: _FieldReader) -> float:
+def _rope_theta(raw: dict[str, Any], reader: FieldReader) -> float:
     # transformers 5 nests it in rope_parameters; older and Paddle configs keep it at the top level.
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params.get("rope_theta") is not None:

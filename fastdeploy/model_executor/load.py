@@ -8,6 +8,9 @@
 The layout is read from the tensor names and shapes. Files are parsed here (numpy has no bfloat16):
 8-byte little-endian header length, JSON header, then the raw data, memory-mapped and converted one
 tensor at a time so loading needs little more memory than the float32 model itself.
+A model may list `ignored_checkpoint_patterns` (regexes of tensors it does not use, e.g. ERNIE's
+multi-token-prediction head) and mark parameters `optional_in_checkpoint` (kept at their initial
+value when the checkpoint lacks them, as transformers does).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import struct
 import time
 from dataclasses import dataclass
@@ -181,11 +185,15 @@ def _plan(model: nn.Layer, names: list[str], prefix: str) -> tuple[list[_Target]
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
     lm_head = getattr(model, "lm_head", None)
     tied = bool(getattr(lm_head, "tied", False))
-    targets, unexpected = [], []
+    ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_patterns", ())]
+    targets, unexpected, skipped = [], [], []
     for ckpt_name in names:
         name = "model." + ckpt_name[len(prefix):] if ckpt_name.startswith(prefix) else ckpt_name
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue  # recomputed / tied to the embedding (transformers ignores a stored copy too)
+        if any(p.search(ckpt_name) for p in ignored):
+            skipped.append(ckpt_name)
+            continue
         parts = name.split(".")
         shard = None
         if len(parts) >= 2 and parts[-2] in packed:
@@ -195,6 +203,8 @@ def _plan(model: nn.Layer, names: list[str], prefix: str) -> tuple[list[_Target]
             unexpected.append(ckpt_name)
             continue
         targets.append(_Target(ckpt_name, name, shard))
+    if skipped:
+        logger.info("skipped %d checkpoint tensors the model does not use (e.g. %s)", len(skipped), skipped[0])
     return targets, unexpected
 
 
@@ -277,6 +287,9 @@ def _missing(model: nn.Layer, params: dict[str, Any], filled: dict[str, dict[str
     for name in params:
         parts_filled = filled.get(name, {})
         if None in parts_filled:
+            continue
+        if not parts_filled and getattr(params[name], "optional_in_checkpoint", False):
+            logger.warning("checkpoint has no %s: keeping its initial value", spell(name))
             continue
         parts = name.split(".")
         module_parts = by_fused.get(parts[-2], []) if len(parts) >= 2 else []

@@ -103,3 +103,20 @@ class MergedLinear(Linear):
                              f"the model expects {expected}")
         with paddle.no_grad():
             param[..., lo:hi] = paddle.to_tensor(np.ascontiguousarray(array, dtype=np.float32))
+
+
+class GatedMLP(nn.Layer):
+    """down(silu(gate(x)) * up(x)), gate and up fused into one GEMM (`up_gate_proj` = [gate | up], the
+    order of Paddle checkpoints; HF's separate gate_proj / up_proj load into its two parts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, hidden_act: str = "silu") -> None:
+        super().__init__()
+        if hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
+        self.up_gate_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias,
+                                         shard_names=["gate", "up"])
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        gate, up = self.up_gate_proj.split(self.up_gate_proj(x))
+        return self.down_proj(paddle.nn.functional.silu(gate) * up)

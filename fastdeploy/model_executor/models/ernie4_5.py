@@ -2,17 +2,19 @@
 
 Parameter names follow the Paddle checkpoints (fused `qkv_proj` and `up_gate_proj`, weights
 [in, out]); `packed_modules_mapping` tells load.py where HF's separate q/k/v and gate/up go.
+The MoE variant (ernie4_5_moe.py) reuses these classes and only replaces some layers' MLP.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from fastdeploy.engine.model_config import ModelConfig
 from fastdeploy.model_executor.layers.attention import Attention
 from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
-from fastdeploy.model_executor.layers.linear import Linear, MergedLinear
+from fastdeploy.model_executor.layers.linear import GatedMLP, Linear, MergedLinear
 from fastdeploy.model_executor.layers.norm import RMSNorm
 from fastdeploy.model_executor.layers.rotary import RotaryEmbedding
 
@@ -39,28 +41,20 @@ class Ernie4_5Attention(nn.Layer):
         return self.o_proj(self.attn(q, k, v))
 
 
-class Ernie4_5MLP(nn.Layer):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        if config.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported by ERNIE-4.5 (only 'silu')")
-        ffn = config.intermediate_size
-        self.up_gate_proj = MergedLinear(config.hidden_size, [ffn, ffn], bias=config.use_bias,
-                                         shard_names=["gate", "up"])
-        self.down_proj = Linear(ffn, config.hidden_size, bias=config.use_bias)
+def dense_mlp(config: ModelConfig, layer_idx: int) -> nn.Layer:
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.use_bias, config.hidden_act)
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        gate, up = self.up_gate_proj.split(self.up_gate_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+
+MLPFactory = Callable[[ModelConfig, int], nn.Layer]
 
 
 class Ernie4_5DecoderLayer(nn.Layer):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Ernie4_5Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Ernie4_5MLP(config)
+        self.mlp = make_mlp(config, layer_idx)
 
     def forward(self, hidden: paddle.Tensor, residual: paddle.Tensor | None, rotary: RotaryEmbedding,
                 cos_sin: tuple[paddle.Tensor, paddle.Tensor]) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -75,10 +69,11 @@ class Ernie4_5DecoderLayer(nn.Layer):
 
 
 class Ernie4_5Model(nn.Layer):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.LayerList([Ernie4_5DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.LayerList([Ernie4_5DecoderLayer(config, i, make_mlp)
+                                    for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, interleaved=True)
 
@@ -107,9 +102,14 @@ class Ernie4_5ForCausalLM(nn.Layer):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = Ernie4_5Model(config)
+        self.model = Ernie4_5Model(config, self.make_mlp)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size,
                               tied_embedding=self.model.embed_tokens if config.tie_word_embeddings else None)
+
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Layer:
+        """Layer `layer_idx`'s MLP (the MoE model overrides this)."""
+        return dense_mlp(config, layer_idx)
 
     def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
         """input_ids, positions [T] int64 (the step's ragged batch) -> final hidden states [T, hidden]."""

@@ -7,6 +7,9 @@ import importlib
 _MODELS: dict[str, tuple[str, str]] = {
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),  # HF (-PT) spelling
     "Ernie4_5_ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),  # Paddle spelling, same model
+    "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),  # both layouts' spelling
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
 }
 
 

@@ -1,0 +1,99 @@
+"""ERNIE-4.5 MoE decoder (ERNIE-4.5-21B-A3B, -300B-A47B): the dense ERNIE-4.5 layers with the MLP of
+some layers replaced by routed experts plus always-on shared experts.
+
+config.json fields (names as in the -PT and -Paddle repos; defaults as transformers' Ernie4_5_MoeConfig):
+  moe_num_experts, moe_k (experts per token), moe_intermediate_size    required
+  moe_num_shared_experts (2): one shared MLP of width moe_intermediate_size x this count
+  moe_layer_start_index (1), moe_layer_end_index (-1: the last layer), moe_layer_interval (1):
+      layer i is MoE when start <= i <= end and (i + 1) % interval == 0; the others are dense
+  moe_norm_min (1e-12): floor of the routing-weight sum when renormalising over the chosen k
+Checkpoint tensors per MoE layer (HF names; Paddle: `ernie.` prefix, fused up_gate_proj, [in, out]):
+  mlp.gate.weight [E, hidden], mlp.moe_statics.e_score_correction_bias [1, E],
+  mlp.experts.K.{gate,up,down}_proj.weight, mlp.shared_experts.{gate,up,down}_proj.weight.
+Multi-token-prediction tensors (`mtp_*`) are skipped, as transformers does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+from paddle import nn
+
+from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.layers.linear import GatedMLP
+from fastdeploy.model_executor.layers.moe import SparseMoE
+from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM, dense_mlp
+
+
+@dataclass(frozen=True, slots=True)
+class ErnieMoeSettings:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    num_shared_experts: int
+    layer_start: int
+    layer_end: int  # inclusive, already resolved from -1
+    layer_interval: int
+    norm_min: float
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> ErnieMoeSettings:
+        fields = config.fields()
+        for name in ("moe_num_experts", "moe_layer_start_index", "moe_intermediate_size"):
+            if isinstance(config.hf_config.get(name), list):
+                raise ValueError(f"{fields.file}: field '{name}' is a list (a multimodal ERNIE-4.5-VL config); "
+                                 f"Ernie4_5_MoeForCausalLM needs a single integer")
+        gate_act = config.hf_config.get("moe_gate_act", "softmax")
+        if gate_act != "softmax":
+            raise ValueError(f"{fields.file}: field 'moe_gate_act' must be 'softmax', got {gate_act!r}")
+        num_layers = config.num_hidden_layers
+        num_experts = fields.get_int("moe_num_experts")
+        top_k = fields.get_int("moe_k")
+        if top_k > num_experts:
+            raise ValueError(f"{fields.file}: field 'moe_k' ({top_k}) must not exceed 'moe_num_experts' "
+                             f"({num_experts})")
+        end = fields.get_int("moe_layer_end_index", default=-1, minimum=-1)
+        return cls(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=fields.get_int("moe_intermediate_size"),
+            num_shared_experts=fields.get_int("moe_num_shared_experts", default=2, minimum=0),
+            layer_start=fields.get_int("moe_layer_start_index", default=1, minimum=0),
+            layer_end=num_layers - 1 if end == -1 else end,
+            layer_interval=fields.get_int("moe_layer_interval", default=1),
+            norm_min=fields.get_float("moe_norm_min", default=1e-12),
+        )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.layer_start <= layer_idx <= self.layer_end
+                and (layer_idx + 1) % self.layer_interval == 0)
+
+
+class Ernie4_5_MoeMLP(SparseMoE):
+    """Routed experts plus the shared experts' MLP, whose output is added for every token."""
+
+    def __init__(self, config: ModelConfig, moe: ErnieMoeSettings) -> None:
+        super().__init__(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
+                         norm_min=moe.norm_min, hidden_act=config.hidden_act)
+        self.shared_experts = None
+        if moe.num_shared_experts:
+            self.shared_experts = GatedMLP(config.hidden_size, moe.intermediate_size * moe.num_shared_experts,
+                                           bias=config.use_bias, hidden_act=config.hidden_act)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        out = super().forward(x)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
+    # Skipped checkpoint tensors: the multi-token-prediction head (ernie.mtp_block.*, mtp_emb_norm, ...).
+    ignored_checkpoint_patterns: tuple[str, ...] = (r"(^|\.)mtp_",)
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.moe = ErnieMoeSettings.from_config(config)
+        super().__init__(config)
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Layer:
+        if self.moe.is_moe_layer(layer_idx):
+            return Ernie4_5_MoeMLP(config, self.moe)
+        return dense_mlp(config, layer_idx)
