@@ -59,6 +59,7 @@ class SamplingParams:
     reasoning_max_tokens: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, text stays "" (vLLM's option)
     ignore_eos: bool = False
     logits_processors_args: dict[str, Any] | None = None  # {"logit_bias": {token_id: bias}}
 
@@ -131,6 +132,8 @@ class SamplingParams:
                 raise ValueError(f"reasoning_max_tokens must be <= max_tokens ({self.max_tokens}), "
                                  f"got {self.reasoning_max_tokens}")
 
+        if not self.detokenize and self.stop is not None:
+            raise ValueError("stop strings need detokenize=True")
         if self.logits_processors_args is not None:
             self._verify_logits_processors_args()
 

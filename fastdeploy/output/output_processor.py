@@ -29,6 +29,8 @@ class OutputProcessor:
 
     def on_token(self, request: Request, token: int) -> None:
         """Decode the new token; a completed stop string cuts the text and finishes the request."""
+        if not request.params.detokenize:
+            return
         new_text = request.detokenizer.add_tokens([token])
         if request.is_finished:
             new_text += request.detokenizer.flush()
