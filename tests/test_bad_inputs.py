@@ -68,7 +68,6 @@ def test_model_must_be_a_directory(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"quantization": "wint8"}, "quantization"),
     ({"enable_mm": True}, "enable_mm"),
 ])
@@ -123,3 +122,11 @@ def test_max_tokens_is_cut_to_max_model_len(llm):
     out = llm.generate([list(range(3, 63))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs.token_ids) == 4 and out.outputs.finish_reason == "length"
+
+
+def test_numpy_token_ids_are_accepted(llm):
+    import numpy as np
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    plain = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs.token_ids
+    as_numpy = llm.generate([list(np.array([5, 6, 7], dtype=np.int64))], params, use_tqdm=False)[0].outputs.token_ids
+    assert plain == as_numpy

@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Union
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from fastdeploy.engine.config import EngineConfig
@@ -22,7 +23,7 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "multimodal_data")
 
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len(value) > 0 and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in value)
 
 
 def normalize_prompts(prompts: Any) -> list[PromptType]:
@@ -137,11 +138,11 @@ class LLM:
             if ids is not None:
                 if not _is_token_ids(ids):
                     raise TypeError("prompt_token_ids must be a non-empty list of ints")
-                return text, list(ids)
+                return text, [int(t) for t in ids]
             if not isinstance(text, str):
                 raise ValueError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of ints)")
             return text, self.engine.tokenizer.encode(text)
-        return None, list(item)
+        return None, [int(t) for t in item]
 
     def _make_requests(self, text: str | None, ids: list[int], params: SamplingParams, start: float,
                        first_index: int, enable_thinking: bool = True) -> list[Request]:
