@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastdeploy.distributed.parallel_state import check_tp_size
 from fastdeploy.engine.model_config import ModelConfig
 from fastdeploy.reasoning.parsers import known_parsers
 
@@ -83,6 +84,7 @@ class EngineConfig:
 
         _check_int("max_model_len", self.max_model_len, 1, self.model_config.max_position_embeddings)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_tp_size(self.tensor_parallel_size, self.model_config)
         _check_int("block_size", self.block_size, 1, 4096)
         _check_int("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS_LIMIT)
         _check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
@@ -125,8 +127,6 @@ class EngineConfig:
                              f"with non-negative int limits, got {self.limit_mm_per_prompt!r}")
 
     def _refuse_not_yet_supported(self) -> None:
-        if self.tensor_parallel_size > 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet; use 1")
         if self.enable_mm or any("VL" in a or "Vl" in a for a in self.model_config.architectures):
             raise NotImplementedError("multimodal models (enable_mm) are not supported yet")
         if self.quantization is not None:

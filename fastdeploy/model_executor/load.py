@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from paddle import nn
 
+from fastdeploy.distributed.parallel_state import SINGLE, TPGroup, building_for
 from fastdeploy.engine.model_config import ModelConfig
 from fastdeploy.model_executor.models.registry import get_model_class
 
@@ -57,6 +58,46 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     wide = bits.astype(np.uint32)
     wide <<= 16
     return wide.view(np.float32)
+
+
+class LazyArray:
+    """A not-yet-decoded view of stored tensor data (see Checkpoint.lazy).
+
+    `np.asarray(lazy, dtype)` gives a fresh float32 array, never a view of the file."""
+
+    __slots__ = ("raw", "kind")
+
+    def __init__(self, raw: np.ndarray, kind: str) -> None:
+        self.raw = raw  # a view of the memory map, in the stored dtype
+        self.kind = kind  # "bf16" (u16 bits), "f16bits" (u16 bits of fp16) or "float"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.raw.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.raw.ndim
+
+    @property
+    def size(self) -> int:
+        return self.raw.size
+
+    @property
+    def T(self) -> LazyArray:  # noqa: N802 - numpy's name
+        return LazyArray(self.raw.T, self.kind)
+
+    def __getitem__(self, index: Any) -> LazyArray:
+        return LazyArray(self.raw[index], self.kind)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if self.kind == "bf16":
+            out = bf16_bits_to_float32(self.raw)
+        elif self.kind == "f16bits":
+            out = self.raw.view(np.float16).astype(np.float32)
+        else:
+            out = self.raw.astype(np.float32)  # astype copies even for F32, so no view of the mmap escapes
+        return out if dtype is None else out.astype(dtype, copy=False)
 
 
 def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
@@ -143,25 +184,33 @@ class Checkpoint:
 
     def read(self, name: str) -> np.ndarray:
         """A fresh float32 array (never a view of the file) of tensor `name`."""
+        return np.asarray(self.lazy(name))
+
+    def lazy(self, name: str) -> LazyArray:
+        """Tensor `name` as a lazy view of the file: slicing and transposing are free, and only the
+        part finally converted (np.asarray) is read and decoded. Tensor-parallel loaders slice it,
+        so no rank converts the whole tensor. Valid while the checkpoint is open."""
         info = self.tensors[name]
         if info.file not in self._maps:
             f = open(info.file, "rb")
             self._maps[info.file] = (f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
         buf = self._maps[info.file][1]
-        stored = _STORED_DTYPES[info.dtype]
         count = int(np.prod(info.shape, dtype=np.int64))
-        raw = np.frombuffer(buf, dtype=stored, count=count, offset=info.offset).reshape(info.shape)
+        raw = np.frombuffer(buf, dtype=_STORED_DTYPES[info.dtype], count=count, offset=info.offset)
         if info.dtype == "BF16" or (info.dtype == "U16" and self.u16_dtype == "bfloat16"):
-            out = bf16_bits_to_float32(raw)
+            kind = "bf16"
         elif info.dtype == "U16":
-            out = raw.view(np.float16).astype(np.float32)
+            kind = "f16bits"
         else:
-            out = raw.astype(np.float32)  # astype copies even for F32, so no view of the mmap escapes
-        return out
+            kind = "float"
+        return LazyArray(raw.reshape(info.shape), kind)
 
     def close(self) -> None:
         for f, buf in self._maps.values():
-            buf.close()
+            try:
+                buf.close()
+            except BufferError:
+                pass  # a lazy view is still alive (e.g. in an error's traceback): the map closes when it goes
             f.close()
         self._maps.clear()
 
@@ -186,7 +235,11 @@ def _plan(model: nn.Layer, names: list[str], prefix: str) -> tuple[list[_Target]
     lm_head = getattr(model, "lm_head", None)
     tied = bool(getattr(lm_head, "tied", False))
     ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_patterns", ())]
+    # Tensor parallel: sublayers that exist only on other ranks (e.g. their experts) are not read here.
+    elsewhere = tuple(f"{layer_name}.{child}." for layer_name, layer in model.named_sublayers()
+                      for child in getattr(layer, "other_rank_children", ()))
     targets, unexpected, skipped = [], [], []
+    num_elsewhere = 0
     for ckpt_name in names:
         name = "model." + ckpt_name[len(prefix):] if ckpt_name.startswith(prefix) else ckpt_name
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
@@ -200,11 +253,16 @@ def _plan(model: nn.Layer, names: list[str], prefix: str) -> tuple[list[_Target]
             fused, shard = packed[parts[-2]]
             name = ".".join(parts[:-2] + [fused, parts[-1]])
         if name not in params:
-            unexpected.append(ckpt_name)
+            if elsewhere and name.startswith(elsewhere):
+                num_elsewhere += 1
+            else:
+                unexpected.append(ckpt_name)
             continue
         targets.append(_Target(ckpt_name, name, shard))
     if skipped:
         logger.info("skipped %d checkpoint tensors the model does not use (e.g. %s)", len(skipped), skipped[0])
+    if num_elsewhere:
+        logger.debug("left %d checkpoint tensors to the other tensor-parallel ranks", num_elsewhere)
     return targets, unexpected
 
 
@@ -219,7 +277,7 @@ def _stored_in_out(params: dict[str, Any], checkpoint: Checkpoint, targets: list
         if not getattr(param, "linear_in_out", False):
             continue
         shape = checkpoint.tensors[t.checkpoint_name].shape
-        expected = list(param.shape)
+        expected = list(getattr(param, "global_shape", param.shape))  # the unsharded shape
         if t.shard is not None:
             expected[-1] = param.part_sizes[t.shard]
         if len(shape) == 2 and expected[0] != expected[1]:
@@ -260,9 +318,9 @@ def load_weights(model: nn.Layer, checkpoint: Checkpoint) -> str:
 
     for t in targets:
         param = params[t.param_name]
-        array = checkpoint.read(t.checkpoint_name)
+        array = checkpoint.lazy(t.checkpoint_name)  # the loader converts only the slice its rank keeps
         if getattr(param, "linear_in_out", False) and not in_out:
-            array = array.T  # a view; the loader copies it into the parameter
+            array = array.T  # still lazy; the loader copies it into the parameter
         try:
             param.weight_loader(param, array, t.shard)
         except ValueError as e:
@@ -304,11 +362,13 @@ def _missing(model: nn.Layer, params: dict[str, Any], filled: dict[str, dict[str
     return missing
 
 
-def load_model(config: ModelConfig) -> nn.Layer:
-    """Build the model for `config.architectures`, fill it from the checkpoint, and put it in eval mode."""
+def load_model(config: ModelConfig, tp: TPGroup = SINGLE) -> nn.Layer:
+    """Build the model for `config.architectures` (this rank's shard of it when `tp` has several
+    ranks), fill it from the checkpoint, and put it in eval mode."""
     model_class = get_model_class(config.architectures)
     start = time.perf_counter()
-    model = model_class(config)
+    with building_for(tp):
+        model = model_class(config)
     # U16 holds raw 16-bit floats: which kind is only written in the config.
     u16 = "float16" if config.dtype == "float16" else "bfloat16"
     with Checkpoint(config.model_path, u16_dtype=u16) as checkpoint:

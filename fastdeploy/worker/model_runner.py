@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,10 +18,12 @@ import paddle
 from fastdeploy.engine.config import EngineConfig
 from fastdeploy.engine.request import Request
 from fastdeploy.engine.scheduler import ScheduledBatch
-from fastdeploy.model_executor.forward_context import (allocate_kv_caches, build_forward_context,
-                                                       forward_context)
+from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
+from fastdeploy.model_executor.forward_context import allocate_kv_caches
 from fastdeploy.model_executor.layers.sampler import Sampler, SamplingBatch
 from fastdeploy.model_executor.load import load_model
+from fastdeploy.worker.step import StepInputs, run_step, warmup_inputs
+from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_sigint
 
 logger = logging.getLogger(__name__)
 
@@ -86,16 +89,51 @@ class ModelRunner:
         mc = config.model_config
         paddle.seed(config.seed)
         start = time.perf_counter()
-        self.model = load_model(mc)
-        logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
-        self.sampler = Sampler()
-        self.num_blocks = self._num_kv_blocks()
+        # Tensor parallel: this process is rank 0; the workers load their shards while it loads its own.
+        self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+        self.tp = self.workers.tp if self.workers is not None else SINGLE
+        if self.workers is not None:
+            # Stops the workers when this runner is garbage-collected or the interpreter exits.
+            self._finalizer = weakref.finalize(self, self.workers.close)
+        try:
+            self.model = load_model(mc, self.tp)
+            self._ask_workers()  # loaded
+            logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
+            self.sampler = Sampler()
+            self.num_blocks = self._num_kv_blocks()
+            self._ask_workers(("kv", self.num_blocks))  # all ranks hold the same blocks, each its own heads
+        except BaseException:
+            self.close()
+            raise
         self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks, config.block_size,
-                                            mc.num_key_value_heads, mc.head_dim)
+                                            kv_heads_per_rank(mc.num_key_value_heads, self.tp.size), mc.head_dim)
+
+    def _ask_workers(self, message: tuple | None = None) -> list:
+        """Send `message` to every worker (if given) and wait for each one's reply."""
+        if self.workers is None:
+            return []
+        if message is not None:
+            self.workers.send_all(message)
+        return self.workers.receive_all()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers now (otherwise that happens when the runner is collected)."""
+        if self.workers is not None:
+            self._finalizer()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self.workers.pids if self.workers is not None else []
+
+    def worker_parameters(self) -> list[dict[str, np.ndarray]]:
+        """Each worker rank's parameters (its shard of the model), in rank order; for inspection."""
+        return self._ask_workers(("parameters",))
 
     def _kv_block_bytes(self) -> int:
+        """Bytes of one KV block over all ranks (they share this host's memory)."""
         mc = self.config.model_config
-        return 2 * mc.num_hidden_layers * self.config.block_size * mc.num_key_value_heads * mc.head_dim * 4
+        heads = kv_heads_per_rank(mc.num_key_value_heads, self.tp.size) * self.tp.size
+        return 2 * mc.num_hidden_layers * self.config.block_size * heads * mc.head_dim * 4
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -103,7 +141,8 @@ class ModelRunner:
             logger.info("total_block_num:%d (num_gpu_blocks_override)", cfg.num_gpu_blocks_override)
             return cfg.num_gpu_blocks_override
         # No GPU: the budget is a share of host memory, less the weights and an activation reserve.
-        weights = sum(int(np.prod(p.shape)) * 4 for p in self.model.parameters())
+        # All ranks share this host: rank 0's weights times N (replicated norms and routers counted N times).
+        weights = sum(int(np.prod(p.shape)) * 4 for p in self.model.parameters()) * self.tp.size
         budget = int(host_memory_bytes() * cfg.gpu_memory_utilization * (1 - ACTIVATION_RESERVE)) - weights
         by_memory = max(budget // self._kv_block_bytes(), 0)
         # More blocks than max_num_seqs full-length requests can use would only sit idle in RAM.
@@ -129,11 +168,6 @@ class ModelRunner:
             ids.extend(request.token_ids[begin:begin + n])
             positions.extend(range(begin, begin + n))
             context_lens.append(begin + n)
-        ctx = build_forward_context(counts, context_lens, [r.block_table for r in requests],
-                                    self.config.block_size, self.kv_caches)
-        with forward_context(ctx):
-            hidden = self.model(paddle.to_tensor(np.asarray(ids, dtype=np.int64)),
-                                paddle.to_tensor(np.asarray(positions, dtype=np.int64)))
 
         # Rows that finish their known tokens this step produce the next token; prompt rows of
         # requests asking for prompt_logprobs get logits too.
@@ -143,9 +177,11 @@ class ModelRunner:
                        for i, r in enumerate(requests) if r.params.prompt_logprobs is not None
                        for p in range(r.num_computed_tokens, min(context_lens[i], r.num_prompt_tokens - 1))]
         rows = [int(offsets[i + 1]) - 1 for i in sampling] + [row for _, _, row in prompt_rows]
-        if not rows:
+        logits = self._forward(StepInputs(
+            np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64), list(counts), context_lens,
+            [r.block_table for r in requests], np.asarray(rows, dtype=np.int64)))
+        if logits is None:
             return StepResult([], {}, [], time.perf_counter() - start)
-        logits = self.model.compute_logits(paddle.gather(hidden, paddle.to_tensor(np.asarray(rows, np.int64))))
         chosen = [requests[i] for i in sampling]
         tokens: list[int] = []
         if chosen:
@@ -184,13 +220,23 @@ class ModelRunner:
             generators=[r.generator for r in requests],
         )
 
-    @paddle.no_grad()
+    def _forward(self, inputs: StepInputs) -> paddle.Tensor | None:
+        if self.workers is None:
+            return run_step(self.model, inputs, self.config.block_size, self.kv_caches)
+        # Every rank runs the same forward; Ctrl-C waits until the step's collectives are done.
+        with deferred_sigint():
+            self.workers.send_all(("step", inputs))
+            try:
+                return run_step(self.model, inputs, self.config.block_size, self.kv_caches)
+            except BaseException as e:
+                dead = self.workers.dead_workers(grace_s=0.2)
+                self.workers.close(kill=True)  # the others may be waiting in a collective that never comes
+                if dead:
+                    raise WorkerError(f"tensor-parallel {dead} during a step; create a new LLM") from e
+                raise
+
     def warmup(self) -> None:
         """One forward over a full budget of tokens so the first real step runs at speed."""
         n = min(self.config.max_num_batched_tokens, self.config.max_model_len,
                 self.num_blocks * self.config.block_size)
-        blocks = list(range(-(-n // self.config.block_size)))
-        ctx = build_forward_context([n], [n], [blocks], self.config.block_size, self.kv_caches)
-        with forward_context(ctx):
-            hidden = self.model(paddle.zeros([n], dtype="int64"), paddle.arange(n, dtype="int64"))
-            self.model.compute_logits(hidden[-1:])
+        self._forward(warmup_inputs(n, self.config.block_size))

@@ -17,6 +17,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from fastdeploy.distributed.parallel_state import SINGLE, TPGroup, current_tp
 from fastdeploy.model_executor.layers.linear import GatedMLP, Linear
 
 
@@ -61,12 +62,19 @@ def select_experts(probs: paddle.Tensor, top_k: int, correction_bias: paddle.Ten
 
 
 def grouped_expert_forward(x: paddle.Tensor, weights: paddle.Tensor, ids: paddle.Tensor,
-                           experts: Sequence[nn.Layer]) -> paddle.Tensor:
-    """sum_j weights[t, j] * experts[ids[t, j]](x[t]) for every token t, grouped by expert."""
+                           experts: Sequence[nn.Layer | None]) -> paddle.Tensor:
+    """sum_j weights[t, j] * experts[ids[t, j]](x[t]) for every token t, grouped by expert.
+
+    Experts given as None live on other tensor-parallel ranks: their share is left out here (the
+    ranks' results are summed by the caller)."""
     top_k = ids.shape[-1]
     flat = ids.reshape([-1]).numpy()  # host copy: the grouping is bookkeeping, not math
-    order = np.argsort(flat, kind="stable")
-    counts = np.bincount(flat, minlength=len(experts))
+    here = np.array([e is not None for e in experts])
+    keep = np.flatnonzero(here[flat])  # the (token, choice) assignments this rank computes
+    if keep.size == 0:
+        return paddle.zeros_like(x)
+    order = keep[np.argsort(flat[keep], kind="stable")]
+    counts = np.bincount(flat[order], minlength=len(experts))
     tokens = paddle.to_tensor(order // top_k)
     gathered = paddle.gather(x, tokens)
     pieces, start = [], 0
@@ -81,26 +89,41 @@ def grouped_expert_forward(x: paddle.Tensor, weights: paddle.Tensor, ids: paddle
 
 class SparseMoE(nn.Layer):
     """Routed experts with a linear softmax gate. Parameters: `gate.weight` [hidden, E],
-    `moe_statics.e_score_correction_bias` [1, E], `experts.K.{up_gate_proj,down_proj}.weight`."""
+    `moe_statics.e_score_correction_bias` [1, E], `experts.K.{up_gate_proj,down_proj}.weight`.
+
+    Tensor parallel: the router is replicated (every rank routes every token identically, from
+    bitwise-identical inputs) and rank r keeps experts [r * E / R, (r + 1) * E / R), whole; each rank
+    computes its experts' share and `forward` sums the shares over the ranks."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_min: float | None = None, hidden_act: str = "silu") -> None:
+                 norm_min: float | None = None, hidden_act: str = "silu", tp: TPGroup | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.tp = tp if tp is not None else current_tp()
+        self.tp.check_divides(num_experts, "the number of experts")
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_min = norm_min
         self.gate = Linear(hidden_size, num_experts, bias=False)
         self.moe_statics = MoEStatics(num_experts)
-        self.experts = nn.LayerList([GatedMLP(hidden_size, intermediate_size, bias=False, hidden_act=hidden_act)
-                                     for _ in range(num_experts)])
+        per = num_experts // self.tp.size
+        mine = range(self.tp.rank * per, (self.tp.rank + 1) * per)
+        # Keyed by the global expert id, so parameter names match the checkpoint's on every rank.
+        self.experts = nn.LayerDict({str(e): GatedMLP(hidden_size, intermediate_size, bias=False,
+                                                      hidden_act=hidden_act, tp=SINGLE) for e in mine})
+        self.other_rank_children = [f"experts.{e}" for e in range(num_experts) if e not in mine]  # see load.py
+        self.__dict__["_by_id"] = [self.experts[str(e)] if e in mine else None for e in range(num_experts)]
 
     def route(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         """x [T, hidden] -> (weights [T, k], expert ids [T, k])."""
         probs = F.softmax(self.gate(x.astype("float32")), axis=-1)
         return select_experts(probs, self.top_k, self.moe_statics.bias, self.norm_min)
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+    def partial(self, x: paddle.Tensor) -> paddle.Tensor:
+        """This rank's experts' share of the output."""
         weights, ids = self.route(x)
-        return grouped_expert_forward(x, weights.astype(x.dtype), ids, self.experts)
+        return grouped_expert_forward(x, weights.astype(x.dtype), ids, self._by_id)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.tp.all_reduce(self.partial(x))

@@ -14,7 +14,8 @@ from paddle import nn
 from fastdeploy.engine.model_config import ModelConfig
 from fastdeploy.model_executor.layers.attention import Attention
 from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
-from fastdeploy.model_executor.layers.linear import GatedMLP, Linear, MergedLinear
+from fastdeploy.distributed.parallel_state import current_tp, kv_heads_per_rank
+from fastdeploy.model_executor.layers.linear import GatedMLP, MergedLinear, RowParallelLinear, qkv_slices
 from fastdeploy.model_executor.layers.norm import RMSNorm
 from fastdeploy.model_executor.layers.rotary import RotaryEmbedding
 
@@ -22,13 +23,13 @@ from fastdeploy.model_executor.layers.rotary import RotaryEmbedding
 class Ernie4_5Attention(nn.Layer):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        tp = current_tp()
+        heads, kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads = heads // tp.size, kv_heads_per_rank(kv_heads, tp.size)  # this rank's
+        q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.use_bias,
-                                     shard_names=["q", "k", "v"])
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.use_bias)
+                                     shard_names=["q", "k", "v"], slices=qkv_slices(heads, kv_heads, self.head_dim, tp))
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.use_bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_idx)
 
     def forward(self, hidden: paddle.Tensor, rotary: RotaryEmbedding,

@@ -81,8 +81,11 @@ class Ernie4_5_MoeMLP(SparseMoE):
                                            bias=config.use_bias, hidden_act=config.hidden_act)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        out = super().forward(x)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        # Routed and shared parts are both partial sums under tensor parallel: one all-reduce for both.
+        out = self.partial(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, reduce=False)
+        return self.tp.all_reduce(out)
 
 
 class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):

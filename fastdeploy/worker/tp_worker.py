@@ -1,0 +1,130 @@
+"""A tensor-parallel worker rank: `main()` here, run by rank 0 (worker_group.py) in a child process of
+the same interpreter.
+
+It reads one bootstrap line (rank, world size, channel port, token) from stdin, connects to rank
+0's channel, joins the process group, loads its shard of the model and then runs every step rank 0
+sends, until it is told to stop, its channel closes, or its stdin reaches end-of-file (rank 0 died).
+It never reads the terminal's Ctrl-C: it runs in its own session and ignores SIGINT.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+import numpy as np
+
+from fastdeploy.distributed import channel
+from fastdeploy.distributed.parallel_state import TPGroup, create_group, create_store, kv_heads_per_rank
+from fastdeploy.worker.worker_group import HELLO
+
+logger = logging.getLogger("fastdeploy.tp_worker")
+
+
+def _read_line(fd: int) -> bytes:
+    """One line from `fd`, read unbuffered so that nothing after it is consumed."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            raise SystemExit("tensor-parallel worker: no bootstrap line on stdin (start it through LLM)")
+        line += chunk
+    return line
+
+
+def _exit_when_parent_goes() -> None:
+    """Block on stdin; rank 0 never writes after the bootstrap line, so end-of-file means it is gone."""
+    try:
+        while os.read(0, 4096):  # the raw fd: a buffered reader's lock would trouble interpreter shutdown
+            pass
+    finally:
+        os._exit(0)  # no cleanup to wait for: the parent that would use our results is gone
+
+
+class Worker:
+    def __init__(self, sock: Any, rank: int, world_size: int) -> None:
+        self.sock = sock
+        self.rank = rank
+        self.world_size = world_size
+        self.config: Any = None  # the EngineConfig rank 0 sends
+        self.model: Any = None
+        self.kv_caches: list[Any] = []
+        self.block_size = 0
+
+    def start(self, config: Any, store_port: int, group_id: int) -> None:
+        from fastdeploy.model_executor.load import load_model
+
+        store = create_store(self.rank, self.world_size, channel.HOST, store_port)
+        tp: TPGroup = create_group(self.rank, self.world_size, store, group_id)
+        self.model = load_model(config.model_config, tp)
+        self.block_size = config.block_size
+        self.config = config
+
+    def allocate(self, num_blocks: int) -> None:
+        from fastdeploy.model_executor.forward_context import allocate_kv_caches
+
+        mc = self.config.model_config
+        self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, num_blocks, self.block_size,
+                                            kv_heads_per_rank(mc.num_key_value_heads, self.world_size), mc.head_dim)
+
+    def serve(self) -> None:
+        from fastdeploy.worker.step import run_step
+
+        while True:
+            try:
+                message = channel.recv(self.sock)
+            except (channel.ChannelClosed, OSError):
+                return  # rank 0 closed the channel
+            op = message[0]
+            if op == "step":
+                run_step(self.model, message[1], self.block_size, self.kv_caches)
+            elif op == "init":
+                self.start(*message[1:])
+                channel.send(self.sock, ("ready",))
+            elif op == "kv":
+                self.allocate(message[1])
+                channel.send(self.sock, ("ready",))
+            elif op == "parameters":
+                channel.send(self.sock, {n: np.asarray(p.numpy()) for n, p in self.model.named_parameters()})
+            elif op == "stop":
+                return
+            else:
+                raise ValueError(f"unknown message {op!r} from rank 0")
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    bootstrap = json.loads(_read_line(0))
+    rank, world_size = int(bootstrap["rank"]), int(bootstrap["world_size"])
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[tensor-parallel rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("fastdeploy")  # rank 0 reports what all ranks do; workers only warnings
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    root.propagate = False
+    threading.Thread(target=_exit_when_parent_goes, name="parent-watch", daemon=True).start()
+    sock = channel.connect(int(bootstrap["port"]))
+    sock.sendall(bytes.fromhex(bootstrap["token"]) + HELLO.pack(rank))
+    worker = Worker(sock, rank, world_size)
+    try:
+        worker.serve()
+    except BaseException:
+        text = traceback.format_exc()
+        logger.error("stopping after an error:\n%s", text)
+        try:
+            channel.send(sock, ("error", text))
+        except OSError:
+            pass
+        os._exit(1)
+    sock.close()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter's teardown of paddle: nothing is left to save
+
+
+if __name__ == "__main__":
+    main()

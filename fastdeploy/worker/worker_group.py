@@ -1,0 +1,262 @@
+"""Rank 0's side of tensor parallel: starts the worker ranks, hands them each step, and stops them.
+
+Workers are child processes of this interpreter running `fastdeploy.worker.tp_worker.main`, each in
+its own session (the terminal's Ctrl-C reaches only rank 0). Their stdin is a pipe that rank 0 never
+writes to after the bootstrap line: when rank 0 dies, however it dies, the pipe closes and the
+worker exits. Steps go over a localhost TCP channel (`engine_worker_queue_port`, or the next free
+port); the collectives of the forward itself go through the paddle.distributed group.
+
+Lifetime: `close()` runs when the ModelRunner is garbage-collected (weakref.finalize), at
+interpreter exit, or after an error that may have left the ranks out of step. It asks the workers
+to stop, and kills any that do not within a few seconds.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fastdeploy.distributed import channel
+from fastdeploy.distributed.parallel_state import TPGroup, create_group, create_store, next_group_id
+from fastdeploy.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+TOKEN_BYTES = 16
+HELLO = struct.Struct("<I")  # the worker's rank, after its token
+STARTUP_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 5.0
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_WORKER_MAIN = "import sys; sys.path.insert(0, sys.argv[1]); from fastdeploy.worker.tp_worker import main; main()"
+_live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+
+
+def _forget_inherited_groups() -> None:
+    """In a process forked from rank 0: the workers are not ours. Drop our copies of their pipes and
+    sockets (or a dead rank 0 would look alive to them) and never stop them from here."""
+    for group in list(_live_groups):
+        group.disown()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_groups)
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker failed or went away."""
+
+
+@contextmanager
+def deferred_sigint() -> Iterator[None]:
+    """Hold back Ctrl-C until the block is done, then deliver it: every rank must finish the
+    step's collectives, or the workers would wait in one forever. (Only the main thread receives
+    signals; elsewhere this does nothing.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending:
+            signal.raise_signal(signal.SIGINT)  # to the handler the user had: KeyboardInterrupt by default
+
+
+class WorkerGroup:
+    """Worker ranks 1..N-1 and this process's membership (rank 0) of their process group."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.size = config.tensor_parallel_size
+        self.procs: list[subprocess.Popen] = []
+        self.socks: list[socket.socket] = []
+        self.closed = False
+        self.owner_pid = os.getpid()
+        _live_groups.add(self)
+        listener = channel.listen_from(config.engine_worker_queue_port)
+        try:
+            self.port = listener.getsockname()[1]
+            token = secrets.token_bytes(TOKEN_BYTES)
+            for rank in range(1, self.size):
+                self._spawn(rank, token)
+            self.socks = self._accept(listener, token)
+            store_port, group_id = channel.free_port(), next_group_id()
+            store = self._rendezvous(store_port, ("init", config, store_port, group_id))
+            self.tp: TPGroup = create_group(0, self.size, store, group_id)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+        logger.info("tensor parallel: %d ranks (workers %s), step channel on port %d, backend gloo",
+                    self.size, [p.pid for p in self.procs], self.port)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def _spawn(self, rank: int, token: bytes) -> None:
+        # This interpreter, importing this very fastdeploy (which may not be installed where the child looks).
+        proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, _PACKAGE_ROOT], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(proc)
+        bootstrap = {"rank": rank, "world_size": self.size, "port": self.port, "token": token.hex()}
+        proc.stdin.write(json.dumps(bootstrap).encode() + b"\n")
+        proc.stdin.flush()  # and keep it open: its end-of-file tells the worker that rank 0 is gone
+
+    def _accept(self, listener: socket.socket, token: bytes) -> list[socket.socket]:
+        by_rank: dict[int, socket.socket] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        listener.settimeout(1.0)  # to notice a worker that died before connecting
+        while len(by_rank) < self.size - 1:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise WorkerError(f"tensor-parallel workers did not connect within {STARTUP_TIMEOUT_S:.0f} s")
+            try:
+                sock, _ = listener.accept()
+            except socket.timeout:
+                continue
+            sock.settimeout(30.0)
+            try:
+                hello = channel.recv_bytes(sock, TOKEN_BYTES + HELLO.size)
+            except (OSError, channel.ChannelClosed):
+                sock.close()
+                continue
+            (rank,) = HELLO.unpack(hello[TOKEN_BYTES:])
+            if not hmac.compare_digest(hello[:TOKEN_BYTES], token) or not 0 < rank < self.size or rank in by_rank:
+                sock.close()  # not one of ours
+                continue
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            by_rank[rank] = sock
+        return [by_rank[r] for r in range(1, self.size)]
+
+    def _rendezvous(self, store_port: int, init: tuple) -> Any:
+        """paddle's master store, made once every worker has connected to it.
+
+        Its constructor waits for all ranks, so it runs in a thread (it releases the GIL); the
+        workers get `init` only once it listens, as a store client that finds no server retries
+        only every few seconds."""
+        made: dict[str, Any] = {}
+
+        def make() -> None:
+            try:
+                made["store"] = create_store(0, self.size, channel.HOST, store_port)
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                made["error"] = e
+
+        thread = threading.Thread(target=make, name="tp-store", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while thread.is_alive():
+            try:
+                socket.create_connection((channel.HOST, store_port), timeout=1.0).close()
+                break
+            except OSError:
+                time.sleep(0.002)
+        for sock in self.socks:
+            channel.send(sock, init)
+        while thread.is_alive():
+            thread.join(1.0)
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise WorkerError(f"tensor-parallel workers did not join within {STARTUP_TIMEOUT_S:.0f} s")
+        if "error" in made:
+            raise made["error"]
+        return made["store"]
+
+    def dead_workers(self, grace_s: float = 0.0) -> str:
+        """'worker rank r (pid p) exited with code c', for each worker that has exited ('' if none).
+        grace_s: how long to give a worker whose connection just broke to finish exiting."""
+        for proc in self.procs if grace_s else ():
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        return ", ".join(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.poll()}"
+                         for rank, proc in enumerate(self.procs, start=1) if proc.poll() is not None)
+
+    def _check_alive(self) -> None:
+        dead = self.dead_workers()
+        if dead:
+            raise WorkerError(f"tensor-parallel {dead}; its error is printed above")
+
+    # ---- after startup ------------------------------------------------------------------------
+    def send_all(self, message: Any) -> None:
+        if self.closed:
+            raise WorkerError("the tensor-parallel workers were stopped after an earlier error; create a new LLM")
+        try:
+            for sock in self.socks:
+                channel.send(sock, message)
+        except OSError as e:
+            self.close()
+            raise WorkerError(f"lost a tensor-parallel worker: {e}") from e
+
+    def receive_all(self) -> list[Any]:
+        """One reply from every worker, in rank order; a worker's ("error", text) becomes a WorkerError."""
+        replies = []
+        try:
+            for rank, sock in enumerate(self.socks, start=1):
+                reply = channel.recv(sock)
+                if isinstance(reply, tuple) and reply and reply[0] == "error":
+                    raise WorkerError(f"tensor-parallel worker rank {rank} failed:\n{reply[1]}")
+                replies.append(reply)
+        except (OSError, channel.ChannelClosed) as e:
+            self.close()
+            raise WorkerError(f"lost a tensor-parallel worker: {e}") from e
+        except WorkerError:
+            self.close()
+            raise
+        return replies
+
+    def disown(self) -> None:
+        for sock in self.socks:
+            sock.close()
+        for proc in self.procs:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        self.procs, self.socks, self.closed = [], [], True
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers: ask, then wait, then kill (at once with kill=True, for workers that may be
+        stuck in a collective). Idempotent; safe at interpreter exit; only the creating process acts."""
+        if (self.closed and not self.procs) or os.getpid() != self.owner_pid:
+            return
+        self.closed = True
+        if kill:
+            for proc in self.procs:
+                proc.kill()
+        for sock in self.socks:
+            try:
+                channel.send(sock, ("stop",))
+            except OSError:
+                pass
+            sock.close()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self.procs:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                logger.warning("tensor-parallel worker pid %d did not stop; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+        self.procs = []
+        self.socks = []
