@@ -22,7 +22,8 @@ from paddle import nn
 from fastdeploy.engine.model_config import ModelConfig
 from fastdeploy.model_executor.layers.linear import GatedMLP
 from fastdeploy.model_executor.layers.moe import SparseMoE
-from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM, dense_mlp
+from fastdeploy.model_executor.models.decoder import dense_mlp
+from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
 
 
 @dataclass(frozen=True, slots=True)
