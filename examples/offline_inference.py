@@ -46,7 +46,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     llm = LLM(model=args.model, max_model_len=1024, max_num_seqs=8)
-    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=args.max_tokens, seed=0)
+    params = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.15, max_tokens=args.max_tokens, seed=0)
 
     start = time.perf_counter()
     outputs = llm.generate(PROMPTS, params)

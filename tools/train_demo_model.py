@@ -26,7 +26,11 @@ MKL_DEBUG_CPU_TYPE=5 is also set before Paddle loads: the MKL bundled with the P
 takes a slow generic path on AMD CPUs (measured here: 35 -> 85 GFLOP/s single-thread fp32 GEMM).
 
 Measured on this machine (2-core AMD EPYC VM, shared with other work), default arguments:
-RESULTS_PLACEHOLDER
+  corpus + tokenizer 20 s; 720 steps of 16 x 256 tokens (2.9 M tokens, 1.0 epoch) at ~1,330 tokens/s in
+  36.7 min; 37.4 min in all. 5.77 M parameters, 11.5 MB checkpoint. Held-out perplexity 47.99 per token
+  (1.750 bits/char; same with the shipped bf16 weights). Reruns give byte-identical files (checked:
+  tokenizer over two full runs, checkpoint over two 4-step runs).
+  Greedy 'The list type' -> ' is a tuple of the type of the type.\n\nThe type of the type object is ...'
 """
 from __future__ import annotations
 
