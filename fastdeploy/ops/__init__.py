@@ -1,0 +1,21 @@
+"""CPU custom ops (compiled from custom_ops/ on first use) with pure-Paddle reference fallbacks.
+
+Every wrapper takes `use_compiled=True`; when the compiled library cannot be built or run here (no
+compiler, no AVX2), the wrappers run the reference implementations after one logged warning.
+"""
+from fastdeploy.ops.activation import silu_and_mul, silu_and_mul_reference
+from fastdeploy.ops.attention import paged_attention, paged_attention_reference
+from fastdeploy.ops.build import library, runtime_info, set_isa, set_num_threads
+from fastdeploy.ops.linear import weight_only_linear, weight_only_linear_reference
+from fastdeploy.ops.memory import keep_freed_memory
+from fastdeploy.ops.norm import rms_norm, rms_norm_reference
+from fastdeploy.ops.quant import FORMATS, PackedWeight, pack_weight, unpack_weight
+from fastdeploy.ops.rotary import apply_rotary_, apply_rotary_reference, rotary_cos_sin, rotary_embedding_
+
+__all__ = [
+    "FORMATS", "PackedWeight", "apply_rotary_", "apply_rotary_reference", "keep_freed_memory", "library",
+    "pack_weight",
+    "paged_attention", "paged_attention_reference", "rms_norm", "rms_norm_reference", "rotary_cos_sin",
+    "rotary_embedding_", "runtime_info", "set_isa", "set_num_threads", "silu_and_mul", "silu_and_mul_reference",
+    "unpack_weight", "weight_only_linear", "weight_only_linear_reference",
+]

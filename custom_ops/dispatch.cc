@@ -1,0 +1,74 @@
+// Run-time choice of the kernel table (CPUID) and of the OpenMP thread count.
+#include <omp.h>
+
+#include <atomic>
+#include <cstdlib>
+
+#include "fd_kernels.h"
+
+namespace fd {
+namespace {
+
+int detect() {
+  __builtin_cpu_init();
+  // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0).
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                __builtin_cpu_supports("avx512vnni");
+  return avx512 ? 2 : (avx2 ? 1 : 0);
+}
+
+std::atomic<int> g_active{-1};
+std::atomic<int> g_threads{0};
+
+}  // namespace
+
+int detected_isa() {
+  static const int level = detect();
+  return level;
+}
+
+int active_isa() {
+  int level = g_active.load(std::memory_order_relaxed);
+  return level < 0 ? detected_isa() : level;
+}
+
+void set_active_isa(int level) {
+  int best = detected_isa();
+  g_active.store(level < 0 || level > best ? best : level, std::memory_order_relaxed);
+}
+
+const KernelTable* active_kernels() {
+  switch (active_isa()) {
+    case 2: return &avx512_kernels();
+    case 1: return &avx2_kernels();
+    default: return nullptr;
+  }
+}
+
+int num_threads() {
+  int n = g_threads.load(std::memory_order_relaxed);
+  return n > 0 ? n : omp_get_num_procs();
+}
+
+void set_num_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
+
+void* scratch(int slot, int64_t bytes) {
+  struct Buffer {
+    void* p = nullptr;
+    int64_t size = 0;
+    ~Buffer() { std::free(p); }
+  };
+  constexpr int kSlots = 8;
+  thread_local Buffer buffers[kSlots];
+  Buffer& b = buffers[slot];
+  if (b.size < bytes) {
+    std::free(b.p);
+    b.size = (bytes + 63) / 64 * 64;
+    b.p = std::aligned_alloc(64, static_cast<size_t>(b.size));
+  }
+  return b.p;
+}
+
+}  // namespace fd

@@ -1,0 +1,67 @@
+// Plain C++ interface between the Paddle op bindings (ops_paddle.cc) and the per-ISA kernels
+// (isa_avx512.cc, isa_avx2.cc). Nothing here includes Paddle headers, so the kernel translation
+// units compile in seconds. Packed weight layouts are described in custom_ops/README.md.
+#pragma once
+
+#include <cstdint>
+
+namespace fd {
+
+constexpr int kPanel = 16;       // output columns per packed weight panel
+constexpr int kActBlock = 32;    // activations are quantized to int8 per row per 32 k
+constexpr int kInt4Group = 128;  // int4 weight scales: one per 128 k per output column
+
+enum WeightFormat : int { kFp32 = 0, kBf16 = 1, kInt8 = 2, kInt4 = 3 };
+
+struct AttentionArgs {
+  const float* q;          // [T, H, D]
+  const float* k;          // [T, KVH, D]
+  const float* v;          // [T, KVH, D]
+  float* cache;            // [2, S, KVH, D]: keys then values, slot-major
+  const int64_t* slots;    // [T]: where each new token's K/V goes (negative: not written)
+  const int64_t* q_start;  // [B + 1]: request b owns tokens q_start[b] .. q_start[b + 1] - 1
+  const int64_t* ctx_lens; // [B]: tokens in context including the new ones
+  const int64_t* blocks;   // [B, max_blocks]
+  float* out;              // [T, H * D]
+  int64_t T, B, H, KVH, D, S, max_blocks, block_size;
+  float scale;
+};
+
+struct LinearArgs {
+  const float* x;       // [T, K]
+  const void* w;        // packed, see README.md
+  const float* scales;  // int8: [Np * 16]; int4: [Np, Kp / 128, 16]; unused otherwise
+  float* y;             // [T, N]
+  int64_t T, K, N;
+  int fmt;
+};
+
+// One instruction set's implementations. Every function parallelises internally with OpenMP.
+struct KernelTable {
+  const char* name;
+  void (*rms_norm)(const float* x, const float* residual, const float* weight, float* out, float* residual_out,
+                   int64_t rows, int64_t n, float eps);
+  void (*silu_mul)(const float* x, float* out, int64_t rows, int64_t f);
+  void (*rotary)(float* q, float* k, const float* cos, const float* sin, int64_t T, int64_t H, int64_t KVH,
+                 int64_t D, bool interleaved);
+  void (*attention)(const AttentionArgs& a);
+  void (*linear)(const LinearArgs& a);
+};
+
+const KernelTable& avx512_kernels();
+const KernelTable& avx2_kernels();
+
+// ISA levels: 0 = none usable, 1 = AVX2 + FMA, 2 = AVX-512 (F, BW, VL, DQ, VNNI).
+int detected_isa();
+int active_isa();
+void set_active_isa(int level);  // clamped to what the CPU supports; -1 = best available
+const KernelTable* active_kernels();  // nullptr when no usable ISA
+int num_threads();
+void set_num_threads(int n);  // <= 0: one per available core
+
+// Per-thread scratch memory (64-byte aligned, grows, never shrinks); `slot` tells apart buffers in use
+// at the same time. Kept out of the ISA translation units so that no std:: template is instantiated
+// under an AVX-512 target attribute and then shared with baseline code by the linker.
+void* scratch(int slot, int64_t bytes);
+
+}  // namespace fd

@@ -1,0 +1,283 @@
+// A 16-lane vector vocabulary shared by the kernels, implemented once for AVX-512 and once for AVX2.
+//
+// Included by isa_avx512.cc (FD_AVX512 defined) and isa_avx2.cc after their `#pragma GCC target`, so
+// the same kernel source compiles to both instruction sets; FD_NS names the per-ISA namespace so the
+// two definitions of VF never meet at link time. On AVX2 a 16-lane value is a pair of ymm
+// registers. Every lane-wise operation rounds exactly as the scalar operation would (no implicit FMA:
+// the build passes -ffp-contract=off), so the two builds give the same bits for the same inputs.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#define FD_INLINE static inline __attribute__((always_inline))
+
+#ifndef FD_NS
+#error "define FD_NS (the per-ISA namespace) before including fd_simd.h"
+#endif
+
+namespace fd {
+namespace FD_NS {
+
+#if defined(FD_AVX512)
+
+struct VF { __m512 v; };   // 16 x float32
+struct VI { __m512i v; };  // 16 x int32
+struct VB { __m512i v; };  // 64 x uint8 (16 outputs x 4 consecutive k)
+
+FD_INLINE VF vzero() { return {_mm512_setzero_ps()}; }
+FD_INLINE VF vset1(float x) { return {_mm512_set1_ps(x)}; }
+FD_INLINE VF vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+FD_INLINE void vstore(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
+FD_INLINE VF vload_n(const float* p, int n) { return {_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p)}; }
+FD_INLINE void vstore_n(float* p, VF a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a.v); }
+// 16 bfloat16 (stored as uint16) widened to float32: exact.
+FD_INLINE VF vload_bf16(const uint16_t* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+FD_INLINE VF vadd(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
+FD_INLINE VF vsub(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+FD_INLINE VF vmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+FD_INLINE VF vdiv(VF a, VF b) { return {_mm512_div_ps(a.v, b.v)}; }
+FD_INLINE VF vmax(VF a, VF b) { return {_mm512_max_ps(a.v, b.v)}; }
+FD_INLINE VF vmin(VF a, VF b) { return {_mm512_min_ps(a.v, b.v)}; }
+FD_INLINE VF vfma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
+FD_INLINE VF vabs(VF a) { return {_mm512_abs_ps(a.v)}; }
+FD_INLINE float vreduce_add(VF a) { return _mm512_reduce_add_ps(a.v); }
+FD_INLINE float vreduce_max(VF a) { return _mm512_reduce_max_ps(a.v); }
+FD_INLINE VF vround(VF a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// Lanes >= n set to -inf (n in 0..16).
+FD_INLINE VF vmask_tail_neginf(VF a, int n) {
+  return {_mm512_mask_blend_ps((__mmask16)((1u << n) - 1), _mm512_set1_ps(-__builtin_inff()), a.v)};
+}
+// Lanes < n zeroed.
+FD_INLINE VF vmask_zero_below(VF a, int n) {
+  return {_mm512_maskz_mov_ps((__mmask16)(0xFFFFu << n), a.v)};
+}
+// [x0 x1 x2 x3 ...] -> [x1 x0 x3 x2 ...]: the partner of each interleaved rotary pair.
+FD_INLINE VF vswap_pairs(VF a) { return {_mm512_permute_ps(a.v, 0xB1)}; }
+// 2^n for integral n, times p (exact when the result is a normal float).
+FD_INLINE VF vldexp(VF p, VF n) { return {_mm512_scalef_ps(p.v, n.v)}; }
+FD_INLINE VF vselect_lt(VF a, float limit, VF if_lt, VF otherwise) {
+  __mmask16 m = _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(limit), _CMP_LT_OQ);
+  return {_mm512_mask_blend_ps(m, otherwise.v, if_lt.v)};
+}
+
+// Sums of 16 vectors: lane i of the result = sum of the lanes of a[i].
+FD_INLINE VF vhsum16(const VF* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {
+    __m512 x = a[2 * i].v, y = a[2 * i + 1].v;
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 4; ++i) {
+    __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  }
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD))};
+}
+
+FD_INLINE VI izero() { return {_mm512_setzero_si512()}; }
+FD_INLINE VI iset1(int32_t x) { return {_mm512_set1_epi32(x)}; }
+FD_INLINE VF itof(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
+// Round to nearest even, saturating is not needed: callers keep |x| <= 127.
+FD_INLINE VI ftoi(VF a) { return {_mm512_cvtps_epi32(a.v)}; }
+FD_INLINE int32_t ireduce_add(VI a) { return _mm512_reduce_add_epi32(a.v); }
+// Narrow 16 int32 in [-127, 127] to 16 int8.
+FD_INLINE void istore_i8(int8_t* p, VI a) { _mm_storeu_si128((__m128i*)p, _mm512_cvtsepi32_epi8(a.v)); }
+
+FD_INLINE VB bload(const uint8_t* p) { return {_mm512_loadu_si512((const void*)p)}; }
+FD_INLINE VB blow_nibbles(VB a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
+FD_INLINE VB bhigh_nibbles(VB a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
+
+// Broadcast of 4 signed activation bytes (k..k+3 of one row).
+struct VX { __m512i v; };
+FD_INLINE VX xbcast(const int8_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  return {_mm512_set1_epi32(w)};
+}
+// acc[i] += sum_r w[4i + r] * x[r], w unsigned 0..255, x signed. No saturation (VNNI).
+FD_INLINE VI dot_u8s8(VI acc, VB w, VX x) { return {_mm512_dpbusd_epi32(acc.v, w.v, x.v)}; }
+// int8 weights are stored with +128: the dot then counts 128 * sum(x) too, which callers subtract.
+constexpr int kInt8Zero = 128;
+FD_INLINE VI dot_int8(VI acc, VB w, VX x) { return dot_u8s8(acc, w, x); }
+
+#else  // AVX2 + FMA
+
+struct VF { __m256 lo, hi; };
+struct VI { __m256i lo, hi; };
+struct VB { __m256i lo, hi; };
+
+FD_INLINE VF vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+FD_INLINE VF vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+FD_INLINE VF vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+FD_INLINE void vstore(float* p, VF a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+FD_INLINE VF vload_n(const float* p, int n) {
+  alignas(32) float t[16] = {0};
+  std::memcpy(t, p, sizeof(float) * n);
+  return vload(t);
+}
+FD_INLINE void vstore_n(float* p, VF a, int n) {
+  alignas(32) float t[16];
+  vstore(t, a);
+  std::memcpy(p, t, sizeof(float) * n);
+}
+FD_INLINE __m256 bf16x8(__m128i w) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(w), 16));
+}
+FD_INLINE VF vload_bf16(const uint16_t* p) {
+  return {bf16x8(_mm_loadu_si128((const __m128i*)p)), bf16x8(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+#define FD_F2(op) {op(a.lo, b.lo), op(a.hi, b.hi)}
+FD_INLINE VF vadd(VF a, VF b) { return FD_F2(_mm256_add_ps); }
+FD_INLINE VF vsub(VF a, VF b) { return FD_F2(_mm256_sub_ps); }
+FD_INLINE VF vmul(VF a, VF b) { return FD_F2(_mm256_mul_ps); }
+FD_INLINE VF vdiv(VF a, VF b) { return FD_F2(_mm256_div_ps); }
+FD_INLINE VF vmax(VF a, VF b) { return FD_F2(_mm256_max_ps); }
+FD_INLINE VF vmin(VF a, VF b) { return FD_F2(_mm256_min_ps); }
+#undef FD_F2
+FD_INLINE VF vfma(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+FD_INLINE VF vabs(VF a) {
+  __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m)};
+}
+FD_INLINE float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+FD_INLINE float vreduce_add(VF a) {
+  __m256 s = _mm256_add_ps(a.lo, a.hi);
+  return hsum8(s);
+}
+FD_INLINE float vreduce_max(VF a) {
+  __m256 s = _mm256_max_ps(a.lo, a.hi);
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+FD_INLINE VF vround(VF a) {
+  const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+FD_INLINE __m256 lane_mask8(int n) {  // lanes < n all-ones
+  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
+}
+FD_INLINE VF vmask_tail_neginf(VF a, int n) {
+  __m256 ninf = _mm256_set1_ps(-__builtin_inff());
+  return {_mm256_blendv_ps(ninf, a.lo, lane_mask8(n)), _mm256_blendv_ps(ninf, a.hi, lane_mask8(n - 8))};
+}
+FD_INLINE VF vmask_zero_below(VF a, int n) {
+  return {_mm256_andnot_ps(lane_mask8(n), a.lo), _mm256_andnot_ps(lane_mask8(n - 8), a.hi)};
+}
+FD_INLINE VF vswap_pairs(VF a) { return {_mm256_permute_ps(a.lo, 0xB1), _mm256_permute_ps(a.hi, 0xB1)}; }
+FD_INLINE __m256 ldexp8(__m256 p, __m256 n) {
+  // n is integral and within [-126, 127] here (callers clamp), so 2^n is built from its exponent bits.
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+FD_INLINE VF vldexp(VF p, VF n) { return {ldexp8(p.lo, n.lo), ldexp8(p.hi, n.hi)}; }
+FD_INLINE VF vselect_lt(VF a, float limit, VF if_lt, VF otherwise) {
+  __m256 l = _mm256_set1_ps(limit);
+  return {_mm256_blendv_ps(otherwise.lo, if_lt.lo, _mm256_cmp_ps(a.lo, l, _CMP_LT_OQ)),
+          _mm256_blendv_ps(otherwise.hi, if_lt.hi, _mm256_cmp_ps(a.hi, l, _CMP_LT_OQ))};
+}
+FD_INLINE __m256 hsum8x8(const __m256* t) {
+  __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+  __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(t[4], t[5]), _mm256_hadd_ps(t[6], t[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+FD_INLINE VF vhsum16(const VF* a) {
+  __m256 t[16];
+  for (int i = 0; i < 16; ++i) t[i] = _mm256_add_ps(a[i].lo, a[i].hi);
+  return {hsum8x8(t), hsum8x8(t + 8)};
+}
+
+FD_INLINE VI izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+FD_INLINE VI iset1(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
+FD_INLINE VF itof(VI a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+FD_INLINE VI ftoi(VF a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
+FD_INLINE int32_t ireduce_add(VI a) {
+  __m256i s = _mm256_add_epi32(a.lo, a.hi);
+  __m128i m = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4E));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xB1));
+  return _mm_cvtsi128_si32(m);
+}
+FD_INLINE void istore_i8(int8_t* p, VI a) {
+  __m256i w = _mm256_packs_epi32(a.lo, a.hi);               // 16 x int16, lanes interleaved by 128 bits
+  w = _mm256_permute4x64_epi64(w, 0xD8);                     // back in order
+  __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  _mm_storeu_si128((__m128i*)p, b);
+}
+
+FD_INLINE VB bload(const uint8_t* p) {
+  return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 32))};
+}
+FD_INLINE VB blow_nibbles(VB a) {
+  __m256i m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
+}
+FD_INLINE VB bhigh_nibbles(VB a) {
+  __m256i m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
+}
+
+struct VX { __m256i v; };
+FD_INLINE VX xbcast(const int8_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  return {_mm256_set1_epi32(w)};
+}
+// Only for weights <= 15 (int4): u8 x s8 pair sums then fit int16 without saturation.
+FD_INLINE VI dot_u8s8(VI acc, VB w, VX x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, x.v), ones);
+  __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, x.v), ones);
+  return {_mm256_add_epi32(acc.lo, lo), _mm256_add_epi32(acc.hi, hi)};
+}
+// int8 weights (stored +128) would saturate maddubs: undo the offset and move the signs onto x
+// (|x| * sign(w, x)), which keeps every pair sum within int16. The result needs no correction.
+constexpr int kInt8Zero = 0;
+FD_INLINE VI dot_int8(VI acc, VB w, VX x) {
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  __m256i ax = _mm256_abs_epi8(x.v);
+  __m256i wl = _mm256_sign_epi8(_mm256_xor_si256(w.lo, flip), x.v);
+  __m256i wh = _mm256_sign_epi8(_mm256_xor_si256(w.hi, flip), x.v);
+  __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wl), ones);
+  __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wh), ones);
+  return {_mm256_add_epi32(acc.lo, lo), _mm256_add_epi32(acc.hi, hi)};
+}
+
+#endif
+
+// exp(x) for float32 lanes: Cody-Waite reduction x = n ln2 + r and a degree-6 polynomial for e^r
+// (Cephes coefficients, ~1 ulp). Inputs below -87.3 (including -inf) give exactly 0.
+FD_INLINE VF vexp(VF x) {
+  // Clamped so that n stays within the normal exponent range [-126, 127].
+  VF xc = vmin(vmax(x, vset1(-87.3f)), vset1(88.0f));
+  VF n = vround(vmul(xc, vset1(1.44269504088896341f)));
+  VF r = vsub(vsub(xc, vmul(n, vset1(0.693359375f))), vmul(n, vset1(-2.12194440e-4f)));
+  VF p = vset1(1.9875691500E-4f);
+  p = vfma(p, r, vset1(1.3981999507E-3f));
+  p = vfma(p, r, vset1(8.3334519073E-3f));
+  p = vfma(p, r, vset1(4.1665795894E-2f));
+  p = vfma(p, r, vset1(1.6666665459E-1f));
+  p = vfma(p, r, vset1(5.0000001201E-1f));
+  p = vadd(vfma(vmul(p, r), r, r), vset1(1.0f));
+  return vselect_lt(x, -87.3f, vzero(), vldexp(p, n));
+}
+
+}  // namespace FD_NS
+}  // namespace fd

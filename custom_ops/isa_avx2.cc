@@ -1,0 +1,40 @@
+// The kernels compiled for AVX2 + FMA. Only called after CPUID says so (dispatch.cc).
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "fd_kernels.h"
+
+// Everything defined from here on may use these instructions; the Paddle bindings and dispatch.cc
+// stay baseline x86-64.
+#pragma GCC target("avx2,fma,f16c,bmi2")
+
+#define FD_NS avx2
+#include "fd_simd.h"
+
+namespace fd {
+namespace avx2 {
+
+// Register blocking of the linear kernels (rows x 16-column panels), sized for 16 vector registers (a 16-lane value is two).
+constexpr int kGemvPanels = 2;
+constexpr int kDenseRows = 2, kDensePanels = 2;
+constexpr int kInt8Rows = 2, kInt8Panels = 1;
+constexpr int kAttnRows = 1;  // query rows per attention register block
+constexpr int kInt4Rows = 2, kInt4Panels = 1;
+
+#include "kern_elementwise.inc"
+#include "kern_attention.inc"
+#include "kern_linear.inc"
+
+}  // namespace avx2
+
+const KernelTable& avx2_kernels() {
+  static const KernelTable table{"avx2", avx2::rms_norm, avx2::silu_mul, avx2::rotary, avx2::attention,
+                                 avx2::linear};
+  return table;
+}
+
+}  // namespace fd

@@ -1,0 +1,41 @@
+// The kernels compiled for AVX-512 (F, BW, VL, DQ, VNNI). Only called after CPUID says so (dispatch.cc).
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "fd_kernels.h"
+
+// Everything defined from here on may use these instructions; the Paddle bindings and dispatch.cc
+// stay baseline x86-64.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")
+
+#define FD_AVX512 1
+#define FD_NS avx512
+#include "fd_simd.h"
+
+namespace fd {
+namespace avx512 {
+
+// Register blocking of the linear kernels (rows x 16-column panels), sized for 32 vector registers.
+constexpr int kGemvPanels = 8;
+constexpr int kDenseRows = 6, kDensePanels = 4;
+constexpr int kInt8Rows = 4, kInt8Panels = 3;
+constexpr int kAttnRows = 4;  // query rows per attention register block
+constexpr int kInt4Rows = 4, kInt4Panels = 2;
+
+#include "kern_elementwise.inc"
+#include "kern_attention.inc"
+#include "kern_linear.inc"
+
+}  // namespace avx512
+
+const KernelTable& avx512_kernels() {
+  static const KernelTable table{"avx512", avx512::rms_norm, avx512::silu_mul, avx512::rotary, avx512::attention,
+                                 avx512::linear};
+  return table;
+}
+
+}  // namespace fd

@@ -1,0 +1,285 @@
+// Paddle custom-op bindings: argument checks, index conversion, then one call into the kernel table
+// chosen at run time (dispatch.cc). Errors raise through PD_CHECK (OSError in Python; the wrappers in
+// fastdeploy/ops turn them into ValueError).
+#include <cstdint>
+#include <vector>
+
+#include "fd_kernels.h"
+#include "paddle/extension.h"
+
+namespace {
+
+using Shape = std::vector<int64_t>;
+
+const fd::KernelTable& kernels() {
+  const fd::KernelTable* k = fd::active_kernels();
+  PD_CHECK(k != nullptr, "this CPU has neither AVX2+FMA nor AVX-512: the compiled ops cannot run");
+  return *k;
+}
+
+void check_f32(const paddle::Tensor& t, const char* name) {
+  PD_CHECK(t.is_cpu(), name, " must be a CPU tensor");
+  PD_CHECK(t.dtype() == paddle::DataType::FLOAT32, name, " must be float32");
+  PD_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Index tensors may be int32 or int64; the kernels read int64.
+struct Index {
+  const int64_t* p = nullptr;
+  std::vector<int64_t> copy;
+  int64_t n = 0;
+  Index(const paddle::Tensor& t, const char* name) {
+    PD_CHECK(t.is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+    n = t.numel();
+    if (t.dtype() == paddle::DataType::INT64) {
+      p = t.data<int64_t>();
+    } else {
+      PD_CHECK(t.dtype() == paddle::DataType::INT32, name, " must be int32 or int64");
+      const int32_t* src = t.data<int32_t>();
+      copy.assign(src, src + n);
+      p = copy.data();
+    }
+  }
+};
+
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k, const paddle::Tensor& v,
+                                           paddle::Tensor& kv_cache, const paddle::Tensor& slot_mapping,
+                                           const paddle::Tensor& query_start_loc, const paddle::Tensor& context_lens,
+                                           const paddle::Tensor& block_tables, int block_size, float scale) {
+  check_f32(q, "q");
+  check_f32(k, "k");
+  check_f32(v, "v");
+  check_f32(kv_cache, "kv_cache");
+  const Shape qs = q.shape(), ks = k.shape(), cs = kv_cache.shape(), bs = block_tables.shape();
+  PD_CHECK(qs.size() == 3, "q must be [T, H, D]");
+  PD_CHECK(ks.size() == 3 && ks[0] == qs[0] && ks[2] == qs[2], "k must be [T, KVH, D] with q's T and D");
+  PD_CHECK(v.shape() == ks, "v must have k's shape");
+  const int64_t T = qs[0], H = qs[1], D = qs[2], KVH = ks[1];
+  PD_CHECK(KVH > 0 && H % KVH == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", KVH, ")");
+  PD_CHECK(D % 16 == 0, "head_dim must be a multiple of 16, got ", D);
+  PD_CHECK(cs.size() == 4 && cs[0] == 2 && cs[2] == KVH && cs[3] == D, "kv_cache must be [2, slots, KVH, D]");
+  PD_CHECK(block_size > 0 && cs[1] % block_size == 0, "block_size must be > 0 and divide the cache's slots");
+  PD_CHECK(bs.size() == 2, "block_tables must be [B, max_blocks]");
+  const int64_t S = cs[1], B = bs[0], MB = bs[1], num_blocks = S / block_size;
+  Index slots(slot_mapping, "slot_mapping"), qsl(query_start_loc, "query_start_loc");
+  Index ctx(context_lens, "context_lens"), table(block_tables, "block_tables");
+  PD_CHECK(slots.n == T, "slot_mapping must have T = ", T, " entries");
+  PD_CHECK(qsl.n == B + 1 && ctx.n == B, "query_start_loc must be [B + 1] and context_lens [B], B = ", B);
+  PD_CHECK(qsl.p[0] == 0 && qsl.p[B] == T, "query_start_loc must start at 0 and end at T = ", T);
+  for (int64_t t = 0; t < T; ++t) PD_CHECK(slots.p[t] < S, "slot_mapping[", t, "] = ", slots.p[t], " >= ", S);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t qlen = qsl.p[b + 1] - qsl.p[b], c = ctx.p[b];
+    PD_CHECK(qlen >= 0 && qlen <= c, "request ", b, ": ", qlen, " new tokens but context_lens = ", c);
+    PD_CHECK((c + block_size - 1) / block_size <= MB, "request ", b, ": context ", c, " exceeds block_tables");
+    for (int64_t i = 0; qlen > 0 && i < (c + block_size - 1) / block_size; ++i) {
+      const int64_t blk = table.p[b * MB + i];
+      PD_CHECK(blk >= 0 && blk < num_blocks, "block_tables[", b, ", ", i, "] = ", blk, " is not a cache block");
+    }
+  }
+  auto out = paddle::empty({T, H * D}, paddle::DataType::FLOAT32, q.place());
+  fd::AttentionArgs a{q.data<float>(), k.data<float>(), v.data<float>(), kv_cache.data<float>(), slots.p, qsl.p,
+                      ctx.p, table.p, out.data<float>(), T, B, H, KVH, D, S, MB, block_size, scale};
+  if (T > 0) kernels().attention(a);
+  return {out};
+}
+
+std::vector<Shape> PagedAttentionShape(const Shape& q, const Shape&, const Shape&, const Shape& cache, const Shape&,
+                                       const Shape&, const Shape&, const Shape&) {
+  return {cache, {q[0], q[1] * q[2]}};
+}
+
+std::vector<paddle::DataType> SameAsFirstTwo(const paddle::DataType& a, const paddle::DataType&,
+                                             const paddle::DataType&, const paddle::DataType& c,
+                                             const paddle::DataType&, const paddle::DataType&,
+                                             const paddle::DataType&, const paddle::DataType&) {
+  return {c, a};
+}
+
+void check_norm(const paddle::Tensor& x, const paddle::Tensor& weight) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  PD_CHECK(x.shape().size() >= 1 && weight.numel() == x.shape().back(),
+           "weight must have x's last dimension (", x.shape().back(), ") elements");
+}
+
+std::vector<paddle::Tensor> RmsNorm(const paddle::Tensor& x, const paddle::Tensor& weight, float eps) {
+  check_norm(x, weight);
+  auto out = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
+  const int64_t n = x.shape().back();
+  if (x.numel() > 0)
+    kernels().rms_norm(x.data<float>(), nullptr, weight.data<float>(), out.data<float>(), nullptr, x.numel() / n, n, eps);
+  return {out};
+}
+
+std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Tensor& residual,
+                                       const paddle::Tensor& weight, float eps) {
+  check_norm(x, weight);
+  check_f32(residual, "residual");
+  PD_CHECK(residual.shape() == x.shape(), "residual must have x's shape");
+  auto out = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
+  auto res_out = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
+  const int64_t n = x.shape().back();
+  if (x.numel() > 0)
+    kernels().rms_norm(x.data<float>(), residual.data<float>(), weight.data<float>(), out.data<float>(),
+                       res_out.data<float>(), x.numel() / n, n, eps);
+  return {out, res_out};
+}
+
+std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& x) {
+  check_f32(x, "x");
+  Shape s = x.shape();
+  PD_CHECK(!s.empty() && s.back() % 2 == 0, "x's last dimension must be even (gate | up)");
+  const int64_t f = s.back() / 2;
+  s.back() = f;
+  auto out = paddle::empty(s, paddle::DataType::FLOAT32, x.place());
+  if (x.numel() > 0) kernels().silu_mul(x.data<float>(), out.data<float>(), x.numel() / (2 * f), f);
+  return {out};
+}
+
+void Rotary(paddle::Tensor& q, paddle::Tensor& k, const paddle::Tensor& cos, const paddle::Tensor& sin,
+            bool interleaved) {
+  check_f32(q, "q");
+  check_f32(k, "k");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  const Shape qs = q.shape(), ks = k.shape();
+  PD_CHECK(qs.size() == 3 && ks.size() == 3 && ks[0] == qs[0] && ks[2] == qs[2],
+           "q must be [T, H, D] and k [T, KVH, D]");
+  const int64_t T = qs[0], D = qs[2];
+  PD_CHECK(D % 2 == 0, "head_dim must be even");
+  PD_CHECK(cos.numel() == T * D / 2 && sin.numel() == T * D / 2, "cos and sin must be [T, head_dim / 2]");
+  if (T > 0)
+    kernels().rotary(q.data<float>(), k.data<float>(), cos.data<float>(), sin.data<float>(), T, qs[1], ks[1], D,
+                     interleaved);
+}
+
+std::vector<Shape> RotaryShape(const Shape& q, const Shape& k, const Shape&, const Shape&) { return {q, k}; }
+std::vector<paddle::DataType> RotaryDtype(const paddle::DataType& q, const paddle::DataType& k,
+                                          const paddle::DataType&, const paddle::DataType&) {
+  return {q, k};
+}
+
+std::vector<paddle::Tensor> Linear(const paddle::Tensor& x, const paddle::Tensor& weight, const paddle::Tensor& scales,
+                                   int fmt, int64_t n) {
+  check_f32(x, "x");
+  PD_CHECK(weight.is_cpu() && weight.is_contiguous(), "weight must be a contiguous CPU tensor");
+  const Shape xs = x.shape(), ws = weight.shape();
+  PD_CHECK(xs.size() == 2, "x must be [T, K]");
+  const int64_t T = xs[0], K = xs[1], Np = (n + fd::kPanel - 1) / fd::kPanel;
+  PD_CHECK(n > 0 && !ws.empty() && ws[0] == Np, "weight holds ", ws.empty() ? 0 : ws[0], " panels, N = ", n,
+           " needs ", Np);
+  switch (fmt) {
+    case fd::kFp32:
+    case fd::kBf16:
+      PD_CHECK(weight.dtype() == (fmt == fd::kFp32 ? paddle::DataType::FLOAT32 : paddle::DataType::BFLOAT16),
+               "weight dtype does not match the format");
+      PD_CHECK(ws.size() == 3 && ws[1] == K && ws[2] == fd::kPanel, "weight must be [N/16, K, 16] with K = ", K);
+      break;
+    case fd::kInt8:
+    case fd::kInt4: {
+      const int64_t block = fmt == fd::kInt8 ? fd::kActBlock : fd::kInt4Group;
+      const int64_t Kp = (K + block - 1) / block * block;
+      const int64_t per_vec = fmt == fd::kInt8 ? 4 : 8;  // k per 64-byte vector of one panel
+      PD_CHECK(weight.dtype() == paddle::DataType::UINT8, "packed int8/int4 weights must be uint8");
+      PD_CHECK(ws.size() == 4 && ws[1] == Kp / per_vec && ws[2] == fd::kPanel && ws[3] == 4,
+               "packed weight must be [N/16, ", Kp / per_vec, ", 16, 4] for K = ", K);
+      check_f32(scales, "scales");
+      const int64_t expect = fmt == fd::kInt8 ? Np * fd::kPanel : Np * (Kp / fd::kInt4Group) * fd::kPanel;
+      PD_CHECK(scales.numel() == expect, "scales must have ", expect, " elements");
+      break;
+    }
+    default:
+      PD_CHECK(false, "unknown weight format ", fmt);
+  }
+  auto y = paddle::empty({T, n}, paddle::DataType::FLOAT32, x.place());
+  fd::LinearArgs a{x.data<float>(), weight.data(), fmt >= fd::kInt8 ? scales.data<float>() : nullptr,
+                   y.data<float>(), T, K, n, fmt};
+  if (T > 0) kernels().linear(a);
+  return {y};
+}
+
+std::vector<Shape> LinearShape(const Shape& x, const Shape&, const Shape&, int, int64_t n) { return {{x[0], n}}; }
+std::vector<paddle::DataType> LinearDtype(const paddle::DataType& x, const paddle::DataType&,
+                                          const paddle::DataType&) {
+  return {x};
+}
+
+// Reads (and optionally changes) the run-time configuration: isa -2 = keep, -1 = best, 0..2 = that level
+// (clamped to the CPU's); threads -1 = keep, 0 = one per core. Returns [detected, active, threads].
+std::vector<paddle::Tensor> Runtime(const paddle::Tensor& x, int isa, int threads) {
+  if (isa >= -1) fd::set_active_isa(isa);
+  if (threads >= 0) fd::set_num_threads(threads);
+  auto out = paddle::empty({3}, paddle::DataType::INT32, x.place());
+  int32_t* p = out.data<int32_t>();
+  p[0] = fd::detected_isa();
+  p[1] = fd::active_isa();
+  p[2] = fd::num_threads();
+  return {out};
+}
+
+std::vector<Shape> RuntimeShape(const Shape&) { return {{3}}; }
+std::vector<paddle::DataType> RuntimeDtype(const paddle::DataType&) { return {paddle::DataType::INT32}; }
+
+std::vector<Shape> SameShape3(const Shape& x, const Shape&, const Shape&) { return {x, x}; }
+std::vector<Shape> SameShape2(const Shape& x, const Shape&) { return {x}; }
+std::vector<Shape> HalfLastShape(const Shape& x) {
+  Shape s = x;
+  s.back() /= 2;
+  return {s};
+}
+
+}  // namespace
+
+PD_BUILD_OP(fd_paged_attention)
+    .Inputs({"q", "k", "v", "kv_cache", "slot_mapping", "query_start_loc", "context_lens", "block_tables"})
+    .Outputs({"kv_cache_out", "out"})
+    .Attrs({"block_size: int", "scale: float"})
+    .SetInplaceMap({{"kv_cache", "kv_cache_out"}})
+    .SetKernelFn(PD_KERNEL(PagedAttention))
+    .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(SameAsFirstTwo));
+
+PD_BUILD_OP(fd_rms_norm)
+    .Inputs({"x", "weight"})
+    .Outputs({"out"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(RmsNorm))
+    .SetInferShapeFn(PD_INFER_SHAPE(SameShape2));
+
+PD_BUILD_OP(fd_add_rms_norm)
+    .Inputs({"x", "residual", "weight"})
+    .Outputs({"out", "residual_out"})
+    .Attrs({"eps: float"})
+    .SetKernelFn(PD_KERNEL(AddRmsNorm))
+    .SetInferShapeFn(PD_INFER_SHAPE(SameShape3));
+
+PD_BUILD_OP(fd_silu_mul)
+    .Inputs({"x"})
+    .Outputs({"out"})
+    .SetKernelFn(PD_KERNEL(SiluMul))
+    .SetInferShapeFn(PD_INFER_SHAPE(HalfLastShape));
+
+PD_BUILD_OP(fd_rotary)
+    .Inputs({"q", "k", "cos", "sin"})
+    .Outputs({"q_out", "k_out"})
+    .Attrs({"interleaved: bool"})
+    .SetInplaceMap({{"q", "q_out"}, {"k", "k_out"}})
+    .SetKernelFn(PD_KERNEL(Rotary))
+    .SetInferShapeFn(PD_INFER_SHAPE(RotaryShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RotaryDtype));
+
+PD_BUILD_OP(fd_linear)
+    .Inputs({"x", "weight", "scales"})
+    .Outputs({"y"})
+    .Attrs({"fmt: int", "n: int64_t"})
+    .SetKernelFn(PD_KERNEL(Linear))
+    .SetInferShapeFn(PD_INFER_SHAPE(LinearShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(LinearDtype));
+
+PD_BUILD_OP(fd_runtime)
+    .Inputs({"x"})
+    .Outputs({"out"})
+    .Attrs({"isa: int", "threads: int"})
+    .SetKernelFn(PD_KERNEL(Runtime))
+    .SetInferShapeFn(PD_INFER_SHAPE(RuntimeShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(RuntimeDtype));

@@ -1,0 +1,20 @@
+"""SiLU-and-multiply of a fused gate | up projection."""
+from __future__ import annotations
+
+import paddle
+import paddle.nn.functional as F
+
+from fastdeploy.ops.build import call_op, compiled
+
+
+def silu_and_mul_reference(x: paddle.Tensor) -> paddle.Tensor:
+    gate, up = paddle.split(x, 2, axis=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: paddle.Tensor, *, use_compiled: bool = True) -> paddle.Tensor:
+    """x [..., 2F] = gate | up (float32) -> silu(gate) * up [..., F]."""
+    lib = compiled(use_compiled)
+    if lib is None:
+        return silu_and_mul_reference(x)
+    return call_op(lib, "fd_silu_mul", x)[0]

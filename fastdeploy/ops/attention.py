@@ -1,0 +1,79 @@
+"""Paged attention over a ragged batch, with the KV write into the block pool.
+
+One call serves decode tokens and prefill chunks alike: request b owns the new tokens
+query_start_loc[b] .. query_start_loc[b+1]-1, which are the last tokens of its context_lens[b]; its
+context position p lives in cache slot block_tables[b, p // block_size] * block_size + p % block_size.
+The new K/V are first written at slot_mapping (negative slots are skipped), then every query attends
+causally to its request's context. GQA: query head h reads kv head h // (H / KVH).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from fastdeploy.ops.build import call_op, compiled
+
+logger = logging.getLogger(__name__)
+_warned_head_dims: set[int] = set()
+
+
+def paged_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, kv_cache: paddle.Tensor,
+                              slot_mapping: paddle.Tensor, query_start_loc: paddle.Tensor,
+                              context_lens: paddle.Tensor, block_tables: paddle.Tensor, block_size: int,
+                              scale: float) -> paddle.Tensor:
+    """Pure Paddle, one request at a time. Same contract as `paged_attention`."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    slots = slot_mapping.numpy().astype(np.int64)
+    keep = np.nonzero(slots >= 0)[0]
+    if len(keep):
+        index, rows = paddle.to_tensor(slots[keep]), paddle.to_tensor(keep)
+        kv_cache[0].scatter_(index, paddle.gather(k, rows), overwrite=True)
+        kv_cache[1].scatter_(index, paddle.gather(v, rows), overwrite=True)
+    starts = query_start_loc.numpy().astype(np.int64)
+    ctx_lens = context_lens.numpy().astype(np.int64)
+    tables = block_tables.numpy().astype(np.int64)
+    outs = []
+    for b in range(len(ctx_lens)):
+        n, c = int(starts[b + 1] - starts[b]), int(ctx_lens[b])
+        if n == 0:
+            continue
+        pos = np.arange(c)
+        ctx_slots = paddle.to_tensor(tables[b, pos // block_size] * block_size + pos % block_size)
+        keys = paddle.repeat_interleave(paddle.gather(kv_cache[0], ctx_slots), h // kvh, axis=1)  # [c, H, D]
+        values = paddle.repeat_interleave(paddle.gather(kv_cache[1], ctx_slots), h // kvh, axis=1)
+        queries = q[int(starts[b]):int(starts[b + 1])].transpose([1, 0, 2])  # [H, n, D]
+        scores = paddle.matmul(queries, keys.transpose([1, 2, 0])) * scale  # [H, n, c]
+        q_pos = c - n + np.arange(n)
+        bias = np.where(pos[None, :] <= q_pos[:, None], 0.0, -np.inf).astype(np.float32)
+        probs = F.softmax(scores + paddle.to_tensor(bias), axis=-1)
+        out = paddle.matmul(probs, values.transpose([1, 0, 2]))  # [H, n, D]
+        outs.append(out.transpose([1, 0, 2]).reshape([n, h * d]))
+    if not outs:
+        return paddle.zeros([t, h * d], dtype="float32")
+    return paddle.concat(outs, axis=0)
+
+
+def paged_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, kv_cache: paddle.Tensor,
+                    slot_mapping: paddle.Tensor, query_start_loc: paddle.Tensor, context_lens: paddle.Tensor,
+                    block_tables: paddle.Tensor, block_size: int, scale: float, *,
+                    use_compiled: bool = True) -> paddle.Tensor:
+    """q [T, H, D], k/v [T, KVH, D], kv_cache [2, num_blocks * block_size, KVH, D] (all float32);
+    slot_mapping [T], query_start_loc [B + 1], context_lens [B], block_tables [B, max_blocks] (int32 or
+    int64). Writes k/v into kv_cache in place and returns the attention output [T, H * D]."""
+    lib = compiled(use_compiled)
+    head_dim = q.shape[-1]
+    if lib is not None and head_dim % 16:
+        if head_dim not in _warned_head_dims:
+            _warned_head_dims.add(head_dim)
+            logger.warning("compiled paged attention needs head_dim %% 16 == 0 (got %d): using the reference",
+                           head_dim)
+        lib = None
+    if lib is None:
+        return paged_attention_reference(q, k, v, kv_cache, slot_mapping, query_start_loc, context_lens,
+                                         block_tables, block_size, scale)
+    return call_op(lib, "fd_paged_attention", q, k, v, kv_cache, slot_mapping, query_start_loc, context_lens,
+                   block_tables, int(block_size), float(scale))[1]
