@@ -18,17 +18,14 @@ class ForwardContext:
     """How the step's T new tokens (ordered request by request) map onto the paged KV cache.
 
     A KV cache layer is one tensor [2, num_blocks * block_size, num_kv_heads, head_dim]: slot
-    s = block * block_size + offset. Attention is computed on a padded [B, max_query_len] view of
-    the queries against a padded [B, max_context_len] gather of each request's cached keys.
+    s = block * block_size + offset. Request b's new tokens are the last ones of its context.
     """
 
     slot_mapping: paddle.Tensor  # [T] int64: cache slot each new token's K/V is written to
-    gather_slots: paddle.Tensor  # [B, Cmax] int64: slots of each request's context (pads read slot 0)
-    query_index: paddle.Tensor  # [T] int64: position of each new token in the flat [B * Qmax] layout
-    attn_bias: paddle.Tensor  # [B, 1, Qmax, Cmax] float32: 0 where a query may attend, -inf elsewhere
-    num_reqs: int
-    max_query_len: int
-    max_context_len: int
+    query_start_loc: paddle.Tensor  # [B+1] int64: request b's new tokens are rows [start[b], start[b+1])
+    context_lens: paddle.Tensor  # [B] int64
+    block_tables: paddle.Tensor  # [B, max_blocks] int64
+    block_size: int
     kv_caches: Sequence[paddle.Tensor]  # one per layer
 
 
@@ -63,39 +60,21 @@ def build_forward_context(query_lens: Sequence[int], context_lens: Sequence[int]
     """query_lens[b] new tokens of request b are the last ones of its context_lens[b] tokens."""
     q_lens = np.asarray(query_lens, dtype=np.int64)
     c_lens = np.asarray(context_lens, dtype=np.int64)
-    num_reqs = len(q_lens)
-    q_max, c_max = int(q_lens.max()), int(c_lens.max())
-
-    # Slot of every context position of every request (padded with slot 0, masked below).
-    ctx_pos = np.arange(c_max, dtype=np.int64)
-    n_blocks = -(-c_max // block_size)
-    tables = np.zeros((num_reqs, n_blocks), dtype=np.int64)
+    n_blocks = max(-(-int(c_lens.max()) // block_size), 1)
+    tables = np.zeros((len(q_lens), n_blocks), dtype=np.int64)
     for b, table in enumerate(block_tables):
         used = min(len(table), n_blocks)
         tables[b, :used] = table[:used]
-    gather_slots = tables[:, ctx_pos // block_size] * block_size + ctx_pos % block_size
-    valid_ctx = ctx_pos[None, :] < c_lens[:, None]
-    gather_slots = np.where(valid_ctx, gather_slots, 0)
-
-    # The new tokens of request b sit at context positions c_len - q_len + i.
-    q_pos = np.arange(q_max, dtype=np.int64)
-    valid_q = q_pos[None, :] < q_lens[:, None]
-    start = (c_lens - q_lens)[:, None]
-    new_ctx_pos = start + q_pos[None, :]
-    slot_mapping = np.take_along_axis(gather_slots, np.minimum(new_ctx_pos, c_max - 1), axis=1)[valid_q]
-    query_index = (np.arange(num_reqs, dtype=np.int64)[:, None] * q_max + q_pos[None, :])[valid_q]
-
-    allowed = ctx_pos[None, None, :] <= new_ctx_pos[:, :, None]  # causal, which also bounds by c_len
-    allowed |= ~valid_q[:, :, None]  # padded query rows see everything: no all-masked softmax rows
-    bias = np.where(allowed, 0.0, -np.inf).astype(np.float32)[:, None, :, :]
-
+    # Context position of every new token, then its slot through the request's block table.
+    rows = np.repeat(np.arange(len(q_lens)), q_lens)
+    starts = np.concatenate([[0], np.cumsum(q_lens)])
+    positions = np.arange(int(q_lens.sum())) - starts[rows] + (c_lens - q_lens)[rows]
+    slot_mapping = tables[rows, positions // block_size] * block_size + positions % block_size
     return ForwardContext(
-        slot_mapping=paddle.to_tensor(slot_mapping),
-        gather_slots=paddle.to_tensor(gather_slots),
-        query_index=paddle.to_tensor(query_index),
-        attn_bias=paddle.to_tensor(bias),
-        num_reqs=num_reqs,
-        max_query_len=q_max,
-        max_context_len=c_max,
+        slot_mapping=paddle.to_tensor(slot_mapping.astype(np.int64)),
+        query_start_loc=paddle.to_tensor(starts.astype(np.int64)),
+        context_lens=paddle.to_tensor(c_lens),
+        block_tables=paddle.to_tensor(tables),
+        block_size=block_size,
         kv_caches=kv_caches,
     )

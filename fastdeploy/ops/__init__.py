@@ -5,7 +5,7 @@ compiler, no AVX2), the wrappers run the reference implementations after one log
 """
 from fastdeploy.ops.activation import silu_and_mul, silu_and_mul_reference
 from fastdeploy.ops.attention import paged_attention, paged_attention_reference
-from fastdeploy.ops.build import library, runtime_info, set_isa, set_num_threads
+from fastdeploy.ops.build import library, runtime_info, set_isa, set_num_threads, share_cores
 from fastdeploy.ops.linear import weight_only_linear, weight_only_linear_reference
 from fastdeploy.ops.memory import keep_freed_memory
 from fastdeploy.ops.norm import rms_norm, rms_norm_reference
@@ -16,6 +16,6 @@ __all__ = [
     "FORMATS", "PackedWeight", "apply_rotary_", "apply_rotary_reference", "keep_freed_memory", "library",
     "pack_weight",
     "paged_attention", "paged_attention_reference", "rms_norm", "rms_norm_reference", "rotary_cos_sin",
-    "rotary_embedding_", "runtime_info", "set_isa", "set_num_threads", "silu_and_mul", "silu_and_mul_reference",
+    "rotary_embedding_", "runtime_info", "set_isa", "set_num_threads", "share_cores", "silu_and_mul", "silu_and_mul_reference",
     "unpack_weight", "weight_only_linear", "weight_only_linear_reference",
 ]

@@ -208,3 +208,9 @@ def call_op(lib: OpsLibrary, name: str, *args: object) -> list[paddle.Tensor]:
         return lib.call(name, *args)
     except OSError as exc:  # PD_CHECK failures: bad arguments, with the kernel's message
         raise ValueError(str(exc).strip().splitlines()[0]) from None
+
+
+def share_cores(ranks: int) -> None:
+    """Give the compiled ops of this process its share of the cores when `ranks` processes run
+    side by side (tensor parallel); oversubscribed OpenMP threads stall each other."""
+    set_num_threads(0 if ranks == 1 else max(1, (os.cpu_count() or 1) // ranks))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from fastdeploy import ops
 from fastdeploy.engine.config import EngineConfig
 from fastdeploy.engine.request import Request
 from fastdeploy.engine.scheduler import ScheduledBatch
@@ -92,6 +93,7 @@ class ModelRunner:
         # Tensor parallel: this process is rank 0; the workers load their shards while it loads its own.
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
         self.tp = self.workers.tp if self.workers is not None else SINGLE
+        ops.share_cores(self.tp.size)
         if self.workers is not None:
             # Stops the workers when this runner is garbage-collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, self.workers.close)

@@ -61,6 +61,8 @@ class Worker:
 
         store = create_store(self.rank, self.world_size, channel.HOST, store_port)
         tp: TPGroup = create_group(self.rank, self.world_size, store, group_id)
+        from fastdeploy import ops
+        ops.share_cores(self.world_size)
         self.model = load_model(config.model_config, tp)
         self.block_size = config.block_size
         self.config = config

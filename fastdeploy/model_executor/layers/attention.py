@@ -1,13 +1,14 @@
-"""Paged attention over a ragged batch (pure Paddle).
+"""Paged attention over a ragged batch (the compiled op, or its pure-Paddle reference).
 
 Each call first writes the step's new K/V into the layer's cache slots, then every query attends
-to its request's whole cached context. Decode tokens and prefill chunks go through the same path.
+causally to its request's cached context. Decode tokens and prefill chunks take the same path.
 """
 from __future__ import annotations
 
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
+
+from fastdeploy import ops
 
 from fastdeploy.model_executor.forward_context import get_forward_context
 
@@ -26,25 +27,5 @@ class Attention(nn.Layer):
     def forward(self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H * D]."""
         ctx = get_forward_context()
-        cache = ctx.kv_caches[self.layer_idx]
-        cache[0].scatter_(ctx.slot_mapping, k, overwrite=True)
-        cache[1].scatter_(ctx.slot_mapping, v, overwrite=True)
-
-        b, qm, cm = ctx.num_reqs, ctx.max_query_len, ctx.max_context_len
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        slots = ctx.gather_slots.reshape([-1])
-        keys = paddle.gather(cache[0], slots).reshape([b, cm, kvh, d]).transpose([0, 2, 1, 3])
-        values = paddle.gather(cache[1], slots).reshape([b, cm, kvh, d]).transpose([0, 2, 1, 3])
-
-        # Grouped queries: the heads sharing a KV head are stacked along the query axis.
-        padded = paddle.zeros([b * qm, h, d], dtype=q.dtype)
-        padded = paddle.scatter(padded, ctx.query_index, q, overwrite=True)
-        queries = padded.reshape([b, qm, kvh, h // kvh, d]).transpose([0, 2, 3, 1, 4])
-        queries = queries.reshape([b, kvh, (h // kvh) * qm, d])
-
-        scores = paddle.matmul(queries, keys, transpose_y=True) * self.scale
-        scores = scores.reshape([b, kvh, h // kvh, qm, cm]) + ctx.attn_bias.unsqueeze(1)
-        probs = F.softmax(scores, axis=-1).reshape([b, kvh, (h // kvh) * qm, cm])
-        out = paddle.matmul(probs, values)  # [b, kvh, g*qm, d]
-        out = out.reshape([b, kvh, h // kvh, qm, d]).transpose([0, 3, 1, 2, 4]).reshape([b * qm, h * d])
-        return paddle.gather(out, ctx.query_index)
+        return ops.paged_attention(q, k, v, ctx.kv_caches[self.layer_idx], ctx.slot_mapping, ctx.query_start_loc,
+                                   ctx.context_lens, ctx.block_tables, ctx.block_size, self.scale)

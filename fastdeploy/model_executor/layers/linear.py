@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import paddle
+
+from fastdeploy import ops
 from paddle import nn
 
 from fastdeploy.distributed.parallel_state import TPGroup, current_tp, kv_head_start, kv_heads_per_rank
@@ -200,5 +202,4 @@ class GatedMLP(nn.Layer):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: paddle.Tensor, reduce: bool = True) -> paddle.Tensor:
-        gate, up = self.up_gate_proj.split(self.up_gate_proj(x))
-        return self.down_proj(paddle.nn.functional.silu(gate) * up, reduce=reduce)
+        return self.down_proj(ops.silu_and_mul(self.up_gate_proj(x)), reduce=reduce)  # [gate | up] fused

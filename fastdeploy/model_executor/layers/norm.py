@@ -1,9 +1,10 @@
-"""RMSNorm, computed in float32 as transformers does."""
+"""RMSNorm (fused with the residual add), computed in float32 as transformers does, by the compiled op."""
 from __future__ import annotations
 
 import paddle
 from paddle import nn
 
+from fastdeploy import ops
 from fastdeploy.model_executor.layers.linear import default_weight_loader
 
 
@@ -20,9 +21,4 @@ class RMSNorm(nn.Layer):
     def forward(self, x: paddle.Tensor, residual: paddle.Tensor | None = None
                 ) -> paddle.Tensor | tuple[paddle.Tensor, paddle.Tensor]:
         """With `residual`, first adds it to x and returns (normed, x + residual) for the next block."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        variance = paddle.mean(paddle.square(x), axis=-1, keepdim=True)
-        out = x * paddle.rsqrt(variance + self.eps) * self.weight
-        return out if residual is None else (out, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual)
