@@ -100,7 +100,7 @@ def create_group(rank: int, size: int, store: Any, group_id: int) -> TPGroup:
     name = f"fastdeploy_tp_{group_id}"
     # paddle's ProcessGroup constructor reads the global rank from this variable; set it for the
     # call only, so the user's process environment is left as it was.
-    saved = os.environ.get("PADDLE_TRAINER_ID")
+    saved = os.environ.get("PADDLE_TRAINER_ID")  # env-ok
     os.environ["PADDLE_TRAINER_ID"] = str(rank)  # env-ok
     try:
         pg = _new_process_group_impl(BACKEND, store, rank, size, name, pg_options=None, group_id=group_id)
