@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -16,3 +17,19 @@ def tiny_hf() -> str:
 @pytest.fixture(scope="session")
 def tiny_paddle() -> str:
     return str(TINY_PADDLE)
+
+
+TOKENIZER_NAMES = ("ernie_sp", "bpe_json")
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict:
+    """transformers' results on the tokenizer fixtures (tools/make_tokenizer_reference.py)."""
+    return json.loads((REFERENCE / "tokenizer_reference.json").read_text(encoding="utf-8"))["fixtures"]
+
+
+@pytest.fixture(scope="module", params=TOKENIZER_NAMES)
+def case(request, reference):
+    """(our Tokenizer, transformers' reference entries) for each tokenizer fixture."""
+    from fastdeploy.input.tokenizer import Tokenizer
+    return Tokenizer.from_pretrained(FIXTURES / "tokenizers" / request.param), reference[request.param]

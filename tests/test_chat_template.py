@@ -3,7 +3,6 @@ sandbox and input rules transformers applies."""
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from pathlib import Path
 
@@ -13,17 +12,10 @@ from fastdeploy.input.chat_template import detect_content_format, render_chat_te
 from fastdeploy.input.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
-NAMES = ("ernie_sp", "bpe_json")
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict:
-    return json.loads((FIXTURES / "reference" / "tokenizer_reference.json").read_text(encoding="utf-8"))["fixtures"]
 
 
-@pytest.fixture(scope="module", params=NAMES)
-def case(request, reference):
-    return Tokenizer.from_pretrained(FIXTURES / "tokenizers" / request.param), reference[request.param]
 
 
 def test_renders_and_ids_match_transformers(case):

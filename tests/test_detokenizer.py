@@ -3,7 +3,6 @@ where recorded), never split a character, and each step decodes only a short win
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -22,9 +21,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict:
-    return json.loads((FIXTURES / "reference" / "tokenizer_reference.json").read_text(encoding="utf-8"))["fixtures"]
 
 
 @pytest.fixture(scope="module", params=NAMES)

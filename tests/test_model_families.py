@@ -7,7 +7,6 @@ placement rule are checked against transformers as well."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from fastdeploy.model_executor.layers.moe import grouped_expert_forward, select_
 from fastdeploy.model_executor.load import Checkpoint, load_model
 from fastdeploy.model_executor.models.ernie4_5_moe import Ernie4_5_MoeMLP, ErnieMoeSettings
 from fastdeploy.model_executor.models.registry import get_model_class
-from test_ernie45_parity import Runner
+from test_ernie45_parity import Runner, check_batched_chunked
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODELS = FIXTURES / "models"
@@ -107,26 +106,9 @@ def test_prefill_then_decode_with_kv_cache(family: tuple[paddle.nn.Layer, dict])
 
 
 def test_batched_chunked_prefill_and_decode(family: tuple[paddle.nn.Layer, dict]) -> None:
-    """All requests in one ragged batch per step (MoE routing groups tokens of different requests):
-    prompts split over two steps, then four decode steps together."""
+    """As for ERNIE dense; for MoE, routing groups the tokens of different requests."""
     model, ref = family
-    cases = ref["cases"]
-    runner = Runner(model)
-    seqs = {i: c["prompt_token_ids"] + c["output_token_ids"] for i, c in enumerate(cases)}
-    prompt_len = {i: len(c["prompt_token_ids"]) for i, c in enumerate(cases)}
-    fed = dict.fromkeys(seqs, 0)
-    first = {i: math.ceil(n / 2) for i, n in prompt_len.items()}
-    second = {i: (n - first[i]) or 1 for i, n in prompt_len.items()}
-    checked = 0
-    for sizes in [first, second] + [dict.fromkeys(seqs, 1)] * 4:
-        out = runner.step({i: seqs[i][fed[i]:fed[i] + sizes[i]] for i in seqs})
-        for i, logprobs in out.items():
-            fed[i] += sizes[i]
-            k = fed[i] - prompt_len[i]  # the last logits predict output token k
-            if k >= 0:
-                assert_matches(logprobs[-1], cases[i]["steps"][k], f"request {i}, output {k}")
-                checked += 1
-    assert checked == len(cases) * 5 + 1
+    check_batched_chunked(model, ref["cases"], assert_matches)
 
 
 # ---- ERNIE-4.5 MoE specifics ----

@@ -13,17 +13,10 @@ from fastdeploy.input.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TOKENIZERS = FIXTURES / "tokenizers"
-NAMES = ("ernie_sp", "bpe_json")
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict:
-    return json.loads((FIXTURES / "reference" / "tokenizer_reference.json").read_text(encoding="utf-8"))["fixtures"]
 
 
-@pytest.fixture(scope="module", params=NAMES)
-def case(request, reference):
-    return Tokenizer.from_pretrained(TOKENIZERS / request.param), reference[request.param]
 
 
 def test_special_tokens_and_sizes(case):
