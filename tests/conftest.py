@@ -1,4 +1,5 @@
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,17 @@ def case(request, reference):
     """(our Tokenizer, transformers' reference entries) for each tokenizer fixture."""
     from fastdeploy.input.tokenizer import Tokenizer
     return Tokenizer.from_pretrained(FIXTURES / "tokenizers" / request.param), reference[request.param]
+
+
+@contextmanager
+def compiled_ops(enabled: bool):
+    """With enabled=False every fastdeploy.ops wrapper runs its pure-Paddle reference, as when the
+    compiled library cannot be built."""
+    from fastdeploy import ops
+    from fastdeploy.ops import build
+    with pytest.MonkeyPatch.context() as mp:
+        if not enabled:
+            mp.setattr(build, "_tried", True)
+            mp.setattr(build, "_library", None)
+        assert (ops.library() is not None) == enabled
+        yield

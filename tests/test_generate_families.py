@@ -1,11 +1,11 @@
 """LLM.generate reproduces transformers' greedy continuations and logprobs (committed JSON made by
 tools/make_model_reference.py) for ERNIE-4.5 MoE in both checkpoint layouts, Qwen2 and Qwen3, all
-prompts of a model batched together."""
+prompts of a model batched together; MoE and Qwen3 also with the ops' pure-Paddle references."""
 import json
 
 import pytest
 
-from conftest import FIXTURES, REFERENCE
+from conftest import FIXTURES, REFERENCE, compiled_ops
 from fastdeploy import LLM, SamplingParams
 
 # fixture directory -> reference file
@@ -18,13 +18,18 @@ FAMILIES = {
 TOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=[(f, True) for f in FAMILIES] + [("ernie45_moe_tiny_hf", False),
+                                                                          ("qwen3_tiny", False)],
+                ids=list(FAMILIES) + ["ernie45_moe_tiny_hf-reference-ops", "qwen3_tiny-reference-ops"])
 def run(request):
-    ref = json.loads((REFERENCE / FAMILIES[request.param]).read_text())
-    llm = LLM(model=str(FIXTURES / "models" / request.param), block_size=16, max_num_seqs=8)
-    params = SamplingParams(temperature=0, max_tokens=ref["max_new_tokens"], ignore_eos=True, logprobs=ref["top_k"])
-    outputs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in ref["cases"]], params,
-                           use_tqdm=False)
+    fixture, compiled = request.param
+    ref = json.loads((REFERENCE / FAMILIES[fixture]).read_text())
+    with compiled_ops(compiled):
+        llm = LLM(model=str(FIXTURES / "models" / fixture), block_size=16, max_num_seqs=8)
+        params = SamplingParams(temperature=0, max_tokens=ref["max_new_tokens"], ignore_eos=True,
+                                logprobs=ref["top_k"])
+        outputs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in ref["cases"]], params,
+                               use_tqdm=False)
     return ref["cases"], outputs
 
 

@@ -1,10 +1,11 @@
 """LLM.generate reproduces transformers' greedy continuations and logprobs (committed JSON made by
-tools/make_model_reference.py) for both checkpoint layouts, all prompts batched together."""
+tools/make_model_reference.py) for both checkpoint layouts, all prompts batched together, with the
+compiled ops and with their pure-Paddle references."""
 import json
 
 import pytest
 
-from conftest import REFERENCE
+from conftest import REFERENCE, compiled_ops
 from fastdeploy import LLM, SamplingParams
 
 REF = json.loads((REFERENCE / "ernie45_tiny_greedy.json").read_text())
@@ -12,11 +13,14 @@ CASES = REF["cases"]
 TOP_K = REF["top_k"]
 
 
-@pytest.fixture(scope="module", params=["tiny_hf", "tiny_paddle"])
+@pytest.fixture(scope="module", params=[("tiny_hf", True), ("tiny_paddle", True), ("tiny_hf", False)],
+                ids=["hf", "paddle", "hf-reference-ops"])
 def outputs(request):
-    llm = LLM(model=request.getfixturevalue(request.param), block_size=16, max_num_seqs=8)
-    params = SamplingParams(temperature=0, max_tokens=REF["max_new_tokens"], ignore_eos=True, logprobs=TOP_K)
-    return llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in CASES], params, use_tqdm=False)
+    fixture, compiled = request.param
+    with compiled_ops(compiled):
+        llm = LLM(model=request.getfixturevalue(fixture), block_size=16, max_num_seqs=8)
+        params = SamplingParams(temperature=0, max_tokens=REF["max_new_tokens"], ignore_eos=True, logprobs=TOP_K)
+        return llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in CASES], params, use_tqdm=False)
 
 
 def test_greedy_tokens_identical(outputs):

@@ -31,6 +31,7 @@ from fastdeploy.distributed.parallel_state import TPGroup
 from fastdeploy.engine.model_config import ModelConfig
 from fastdeploy.model_executor import load as load_module
 from fastdeploy.model_executor.load import Checkpoint, load_model
+from fastdeploy.model_executor.weight_format import named_weights
 
 MODELS = FIXTURES / "models"
 REFS = {name: json.loads((REFERENCE / name).read_text())
@@ -105,7 +106,7 @@ def test_worker_holds_the_other_shard(runs: tuple[dict, list, list, LLM]) -> Non
     assert sorted(worker) == sorted(expected)
     for name, value in expected.items():
         np.testing.assert_array_equal(worker[name], value, err_msg=name)
-    mine = {n: p.numpy() for n, p in llm.engine.runner.model.named_parameters()}
+    mine = named_weights(llm.engine.runner.model)
     rank0 = {n: p.numpy() for n, p in load_model(config, TPGroup(0, 2)).named_parameters()}
     assert sorted(mine) == sorted(rank0)
     for name, value in rank0.items():

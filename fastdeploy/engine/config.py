@@ -129,8 +129,6 @@ class EngineConfig:
     def _refuse_not_yet_supported(self) -> None:
         if self.enable_mm or any("VL" in a or "Vl" in a for a in self.model_config.architectures):
             raise NotImplementedError("multimodal models (enable_mm) are not supported yet")
-        if self.quantization is not None:
-            raise NotImplementedError(f"quantization={self.quantization!r} is not supported yet; use None")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -321,6 +321,8 @@ def load_weights(model: nn.Layer, checkpoint: Checkpoint) -> str:
         array = checkpoint.lazy(t.checkpoint_name)  # the loader converts only the slice its rank keeps
         if getattr(param, "linear_in_out", False) and not in_out:
             array = array.T  # still lazy; the loader copies it into the parameter
+        # bf16 packing is exact only when every part was stored bf16 (see weight_format.py).
+        param.stored_bf16 = getattr(param, "stored_bf16", True) and array.kind == "bf16"
         try:
             param.weight_loader(param, array, t.shard)
         except ValueError as e:

@@ -23,6 +23,7 @@ from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
 from fastdeploy.model_executor.forward_context import allocate_kv_caches
 from fastdeploy.model_executor.layers.sampler import Sampler, SamplingBatch
 from fastdeploy.model_executor.load import load_model
+from fastdeploy.model_executor.weight_format import pack_weights, weight_bytes
 from fastdeploy.worker.step import StepInputs, run_step, warmup_inputs
 from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_sigint
 
@@ -94,11 +95,13 @@ class ModelRunner:
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
         self.tp = self.workers.tp if self.workers is not None else SINGLE
         ops.share_cores(self.tp.size)
+        ops.keep_freed_memory()  # activations reuse heap memory instead of faulting in fresh pages
         if self.workers is not None:
             # Stops the workers when this runner is garbage-collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
             self.model = load_model(mc, self.tp)
+            pack_weights(self.model, config.quantization)
             self._ask_workers()  # loaded
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
             self.sampler = Sampler()
@@ -144,7 +147,7 @@ class ModelRunner:
             return cfg.num_gpu_blocks_override
         # No GPU: the budget is a share of host memory, less the weights and an activation reserve.
         # All ranks share this host: rank 0's weights times N (replicated norms and routers counted N times).
-        weights = sum(int(np.prod(p.shape)) * 4 for p in self.model.parameters()) * self.tp.size
+        weights = weight_bytes(self.model) * self.tp.size
         budget = int(host_memory_bytes() * cfg.gpu_memory_utilization * (1 - ACTIVATION_RESERVE)) - weights
         by_memory = max(budget // self._kv_block_bytes(), 0)
         # More blocks than max_num_seqs full-length requests can use would only sit idle in RAM.

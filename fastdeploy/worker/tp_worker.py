@@ -57,13 +57,16 @@ class Worker:
         self.block_size = 0
 
     def start(self, config: Any, store_port: int, group_id: int) -> None:
+        from fastdeploy import ops
         from fastdeploy.model_executor.load import load_model
+        from fastdeploy.model_executor.weight_format import pack_weights
 
         store = create_store(self.rank, self.world_size, channel.HOST, store_port)
         tp: TPGroup = create_group(self.rank, self.world_size, store, group_id)
-        from fastdeploy import ops
         ops.share_cores(self.world_size)
+        ops.keep_freed_memory()  # activations reuse heap memory instead of faulting in fresh pages
         self.model = load_model(config.model_config, tp)
+        pack_weights(self.model, config.quantization)
         self.block_size = config.block_size
         self.config = config
 
@@ -92,7 +95,9 @@ class Worker:
                 self.allocate(message[1])
                 channel.send(self.sock, ("ready",))
             elif op == "parameters":
-                channel.send(self.sock, {n: np.asarray(p.numpy()) for n, p in self.model.named_parameters()})
+                from fastdeploy.model_executor.weight_format import named_weights
+
+                channel.send(self.sock, named_weights(self.model))
             elif op == "stop":
                 return
             else:

@@ -14,8 +14,9 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from fastdeploy import ops
 from fastdeploy.distributed.parallel_state import TPGroup, current_tp
-from fastdeploy.model_executor.layers.linear import _check_shape
+from fastdeploy.model_executor.layers.linear import PackedMatmul, _check_shape
 
 
 def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
@@ -57,7 +58,7 @@ class VocabEmbedding(nn.Layer):
         return self.tp.all_reduce(rows)
 
 
-class LMHead(nn.Layer):
+class LMHead(PackedMatmul, nn.Layer):
     """logits = hidden @ W. Untied: own weight [hidden, vocab] (checkpoint `lm_head.weight`; this
     rank's columns). Tied: the embedding's [vocab, hidden] weight (its rows), used transposed; no
     parameter of its own. Every rank returns the full [N, vocab] logits."""
@@ -85,6 +86,19 @@ class LMHead(nn.Layer):
     def tied(self) -> bool:
         return self._tied is not None
 
+    def dense_weight(self) -> np.ndarray:
+        if self.packed is None and self._tied is not None:
+            return self._tied.weight.numpy().T
+        return super().dense_weight()
+
+    def stored_bf16(self) -> bool:
+        return bool(getattr(self._tied.weight if self._tied is not None else self.weight, "stored_bf16", False))
+
+    def pack(self, fmt: str) -> None:
+        # Tied: the packed copy is the head's own; the embedding keeps its table for lookups.
+        self.packed = ops.pack_weight(self.dense_weight(), fmt)
+        self.weight = None
+
     def weight_loader(self, param: paddle.Tensor, array: Any, shard_id: int | str | None = None) -> None:
         if shard_id is not None:
             raise ValueError(f"lm_head has no shards (got shard {shard_id!r})")
@@ -94,7 +108,9 @@ class LMHead(nn.Layer):
         param.set_value(cols)
 
     def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        if self._tied is not None:
+        if self.packed is not None:
+            logits = ops.weight_only_linear(hidden, self.packed)
+        elif self._tied is not None:
             logits = paddle.matmul(hidden, self._tied.weight, transpose_y=True)
         else:
             logits = paddle.matmul(hidden, self.weight)

@@ -1,6 +1,6 @@
 """Linear layers that know how to take their weights from a checkpoint, whole or as a tensor-parallel shard.
 
-Weights are kept as Paddle keeps them, [in, out], so the forward is one `x @ W` GEMM. Every
+Weights load as Paddle keeps them, [in, out] float32, so the forward is one `x @ W` GEMM. Every
 parameter has a `weight_loader(param, array, shard_id)` that receives the checkpoint tensor already
 in [in, out] orientation (load.py transposes HF-layout tensors) and still lazy (load.LazyArray), so
 a sharded layer converts only the slice its rank keeps. `param.global_shape` is the unsharded shape
@@ -10,6 +10,9 @@ Tensor parallel (Megatron style): `MergedLinear` is column-parallel (each rank k
 every part's outputs: whole heads of q/k/v, an equal share of gate and up), `RowParallelLinear`
 keeps a slice of the inputs and sums the ranks' partial products. A column-parallel layer followed
 by a row-parallel one needs a single all-reduce.
+
+After loading, `weight_format.pack_weights` repacks every `PackedMatmul` layer's weight for the
+compiled weight-only GEMM (fp32, bf16, int8 or int4) and drops the float32 parameter.
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ from typing import Any
 import numpy as np
 import paddle
 
-from fastdeploy import ops
 from paddle import nn
+
+from fastdeploy import ops
 
 from fastdeploy.distributed.parallel_state import TPGroup, current_tp, kv_head_start, kv_heads_per_rank
 
@@ -63,7 +67,34 @@ def qkv_slices(num_heads: int, num_kv_heads: int, head_dim: int, tp: TPGroup) ->
     return [(q_lo, q_lo + num_heads // tp.size * head_dim), (kv_lo, kv_hi), (kv_lo, kv_hi)]
 
 
-class Linear(nn.Layer):
+class PackedMatmul:
+    """Mixin of the layers computing x @ W: through `paddle.matmul` on the float32 parameter until
+    `pack` replaces it by packed weights for `ops.weight_only_linear`."""
+
+    packed: ops.PackedWeight | None = None
+    quantizable = True  # False keeps the layer in fp32/bf16 under quantization (e.g. an MoE router)
+
+    def dense_weight(self) -> np.ndarray:
+        """The float32 [in, out] matrix this layer multiplies by (unpacked once packed)."""
+        if self.packed is not None:
+            return ops.unpack_weight(self.packed).numpy()
+        return self.weight.numpy()
+
+    def stored_bf16(self) -> bool:
+        """Whether every checkpoint tensor loaded into the weight was bfloat16 (so bf16 packing is exact)."""
+        return bool(getattr(self.weight, "stored_bf16", False))
+
+    def pack(self, fmt: str) -> None:
+        self.packed = ops.pack_weight(self.weight.numpy(), fmt)
+        self.weight = None  # the float32 copy is no longer needed
+
+    def matmul(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.packed is not None:
+            return ops.weight_only_linear(x, self.packed)
+        return paddle.matmul(x, self.weight)
+
+
+class Linear(PackedMatmul, nn.Layer):
     """y = x @ W (+ b); W is [in_features, out_features]. Replicated on every tensor-parallel rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -80,11 +111,11 @@ class Linear(nn.Layer):
         default_weight_loader(param, array, shard_id)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        y = paddle.matmul(x, self.weight)
+        y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
 
-class RowParallelLinear(nn.Layer):
+class RowParallelLinear(PackedMatmul, nn.Layer):
     """y = sum over ranks of x_r @ W_r (+ b): each rank keeps rows [lo, hi) of W [in, out] and gets
     the matching slice of the input features (the output of a column-parallel layer)."""
 
@@ -110,14 +141,14 @@ class RowParallelLinear(nn.Layer):
     def forward(self, x: paddle.Tensor, reduce: bool = True) -> paddle.Tensor:
         """reduce=False returns this rank's partial sum (bias on rank 0 only), for a caller that adds
         several partial sums before one all-reduce."""
-        y = paddle.matmul(x, self.weight)
+        y = self.matmul(x)
         if reduce:
             y = self.tp.all_reduce(y)
             return y if self.bias is None else y + self.bias
         return y if self.bias is None or self.tp.rank != 0 else y + self.bias
 
 
-class MergedLinear(nn.Layer):
+class MergedLinear(PackedMatmul, nn.Layer):
     """Several projections of the same input computed in one GEMM (q|k|v, gate|up), column-parallel.
 
     The output axis is the concatenation of `output_sizes`; each rank keeps the range `slices[i]`
@@ -182,7 +213,7 @@ class MergedLinear(nn.Layer):
             param[..., dst:dst + hi - lo] = paddle.to_tensor(np.ascontiguousarray(array[..., lo:hi], dtype=np.float32))
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        y = paddle.matmul(x, self.weight)
+        y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
 

@@ -106,6 +106,7 @@ class SparseMoE(nn.Layer):
         self.top_k = top_k
         self.norm_min = norm_min
         self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.gate.quantizable = False  # routing decides which experts run: keep it exact
         self.moe_statics = MoEStatics(num_experts)
         per = num_experts // self.tp.size
         mine = range(self.tp.rank * per, (self.tp.rank + 1) * per)

@@ -17,10 +17,9 @@ from fastdeploy.model_executor.layers.attention import Attention
 from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
 from fastdeploy.model_executor.layers.linear import GatedMLP, MergedLinear, RowParallelLinear, qkv_slices
 from fastdeploy.model_executor.layers.norm import RMSNorm
-from fastdeploy.model_executor.layers.rotary import RotaryEmbedding
+from fastdeploy.model_executor.layers.rotary import CosSin, RotaryEmbedding
 
 MLPFactory = Callable[[ModelConfig, int], nn.Layer]
-CosSin = tuple[paddle.Tensor, paddle.Tensor]
 
 
 def dense_mlp(config: ModelConfig, layer_idx: int) -> nn.Layer:
@@ -49,7 +48,7 @@ class DecoderAttention(nn.Layer):
         v = v.reshape([-1, self.num_kv_heads, self.head_dim])
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
+        q, k = rotary.apply_(q, k, cos_sin)
         return self.o_proj(self.attn(q, k, v))
 
 

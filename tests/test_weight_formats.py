@@ -1,0 +1,104 @@
+"""Packed linear weights in the engine: which format each layer gets, that unquantized packing is exact,
+and that wint8 / wint4 keep the demo model's greedy choices (teacher-forced against the unquantized
+model's own continuation)."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, TINY_HF
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.layers.embeddings import LMHead
+from fastdeploy.model_executor.layers.linear import PackedMatmul
+from fastdeploy.model_executor.load import load_model
+from fastdeploy.model_executor.weight_format import named_weights, weight_bytes
+
+DEMO = Path(__file__).parents[1] / "models" / "ernie-4.5-demo"
+MOE = FIXTURES / "models" / "ernie45_moe_tiny_hf"
+
+
+def packed_formats(llm: LLM) -> dict[str, str]:
+    return {name: layer.packed.fmt for name, layer in llm.engine.runner.model.named_sublayers()
+            if isinstance(layer, PackedMatmul)}
+
+
+def test_unquantized_bf16_checkpoint_packs_exactly():
+    llm = LLM(model=str(TINY_HF), max_model_len=256)
+    assert set(packed_formats(llm).values()) == {"bf16"}  # the fixture stores bf16
+    loaded = {n: p.numpy() for n, p in load_model(ModelConfig.from_pretrained(str(TINY_HF))).named_parameters()}
+    packed = named_weights(llm.engine.runner.model)
+    assert sorted(packed) == sorted(loaded)
+    for name, value in loaded.items():
+        np.testing.assert_array_equal(packed[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("quantization, body", [("wint8", "int8"), ("wint4", "int4")])
+def test_quantization_formats_per_layer(quantization, body):
+    llm = LLM(model=str(MOE), max_model_len=256, quantization=quantization)
+    formats = packed_formats(llm)
+    for name, fmt in formats.items():
+        if name.endswith("mlp.gate"):
+            assert fmt in ("fp32", "bf16"), name  # the router is never quantized
+        elif name == "lm_head":
+            assert fmt == "int8"
+        else:
+            assert fmt == body, name
+    assert any(".experts." in n for n in formats) and any(n.endswith("mlp.gate") for n in formats)
+
+
+@pytest.mark.parametrize("quantization", ["wint8", "wint4"])
+def test_quantized_weights_within_a_quantization_step(quantization):
+    """Dequantized weights are within half a step of the loaded ones (int4: one step where the group's
+    largest value of the other sign rounds to +8 and clips to 7), with the mean error of rounding."""
+    config = ModelConfig.from_pretrained(str(TINY_HF))
+    loaded = {n: p.numpy() for n, p in load_model(config).named_parameters()}
+    llm = LLM(model=str(TINY_HF), max_model_len=256, quantization=quantization)
+    model = llm.engine.runner.model
+    for name, layer in model.named_sublayers():
+        if not isinstance(layer, PackedMatmul) or isinstance(layer, LMHead):
+            continue
+        w, q = loaded[f"{name}.weight"], layer.dense_weight()
+        if quantization == "wint8":  # one scale per output column
+            step = np.broadcast_to(np.abs(w).max(axis=0) / 127, w.shape)
+        else:  # one scale per 128 rows (zero-padded) per column
+            rows = -(-w.shape[0] // 128) * 128
+            padded = np.concatenate([np.abs(w), np.zeros((rows - w.shape[0], w.shape[1]), w.dtype)])
+            step = np.repeat(padded.reshape(-1, 128, w.shape[1]).max(axis=1) / 8, 128, axis=0)[:w.shape[0]]
+        err = np.abs(q - w)
+        bound = step / 2 if quantization == "wint8" else step
+        assert np.all(err <= bound * (1 + 1e-5)), name
+        assert 0.15 < err.mean() / step.mean() < 0.35, name  # rounding error is uniform: mean step / 4
+    fp = weight_bytes(LLM(model=str(TINY_HF), max_model_len=256).engine.runner.model)
+    assert weight_bytes(model) < fp  # fewer bytes than bf16 for the packed layers
+
+
+def teacher_forced(llm: LLM, seqs: list[list[int]], starts: list[int]) -> tuple[list[int], list[float]]:
+    """At each continuation position: the model's top-1 token and its logprob of the given token."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+    tops, logprobs = [], []
+    for seq, start, out in zip(seqs, starts, outs):
+        for pos in range(start, len(seq)):
+            entry = out.prompt_logprobs[pos]
+            tops.append(min(entry, key=lambda t: entry[t].rank))
+            logprobs.append(entry[seq[pos]].logprob)
+    return tops, logprobs
+
+
+@pytest.mark.parametrize("quantization, min_agreement, max_dlogprob", [("wint8", 0.97, 0.015),
+                                                                        ("wint4", 0.93, 0.06)])
+def test_quantized_demo_model_keeps_greedy_choices(quantization, min_agreement, max_dlogprob):
+    prompts = ["The Python tutorial", "def main():", "import os\n", "A list is", "The sys module",
+               "Exceptions are", "for i in range", "class Foo:"]
+    base = LLM(model=str(DEMO), max_model_len=256)
+    outs = base.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    seqs = [o.prompt_token_ids + o.outputs.token_ids for o in outs]
+    starts = [len(o.prompt_token_ids) for o in outs]
+    want = [t for s, start in zip(seqs, starts) for t in s[start:]]
+    base_tops, base_lp = teacher_forced(base, seqs, starts)
+    assert base_tops == want  # the unquantized model's greedy choice at every position
+    tops, lp = teacher_forced(LLM(model=str(DEMO), max_model_len=256, quantization=quantization), seqs, starts)
+    agreement = np.mean(np.array(tops) == np.array(want))
+    assert agreement >= min_agreement
+    assert np.mean(np.abs(np.array(lp) - np.array(base_lp))) <= max_dlogprob
