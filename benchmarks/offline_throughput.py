@@ -1,20 +1,25 @@
 """Offline throughput of LLM.generate on an ERNIE-4.5-0.3B-shaped model with random weights.
 
     .venv/bin/python benchmarks/offline_throughput.py                      # every workload, every format
-    .venv/bin/python benchmarks/offline_throughput.py --workloads decode,W16 --formats none
-    .venv/bin/python benchmarks/offline_throughput.py --compare-hf --hf-python /path/to/python-with-torch
+    .venv/bin/python benchmarks/offline_throughput.py --workloads decode,W16 --formats bf16
+    .venv/bin/python benchmarks/offline_throughput.py --compare-hf --hf-python /path/to/python-with-torch \
+        --json results.json --plot docs/benchmarks.svg
 
 The checkpoint (hidden 1024, 18 layers, 16 q heads x 128, 2 kv heads, ffn 3072, vocab 103424, tied
-embeddings; bf16 safetensors, ~0.7 GB) is written to benchmarks/.cache/ on first use. Workloads are
-greedy with fixed lengths (no EOS): output tokens / total wall time, prefill included; TTFT is the
-mean time from arrival to first token. --compare-hf runs transformers (torch, fp32) on the same
-checkpoint and prompts in the same run and prints the ratio.
+embeddings; bf16 safetensors, ~0.7 GB) is written to benchmarks/.cache/ on first use. Formats: "bf16"
+(the checkpoint's weights as stored, computed in fp32), "wint8", "wint4" (LLM(quantization=...)).
+Workloads are greedy with fixed lengths (no EOS): output tokens / total wall time, prefill included;
+TTFT is the mean time from arrival to first token. Each format (and transformers) runs in its own
+process, so the peak memory printed is that run's. --compare-hf runs transformers (torch, fp32) on
+the same checkpoint and prompts in the same run and prints our ratio to it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import platform
 import resource
 import subprocess
 import sys
@@ -30,8 +35,10 @@ from make_tiny_models import BASE_CONFIG, Shape, Weights, copy_tokenizer, write_
 CKPT = ROOT / "benchmarks" / ".cache" / "ernie45-0.3b-random"
 SHAPE = Shape(vocab=103424, hidden=1024, layers=18, heads=16, kv_heads=2, head_dim=128, ffn=3072)
 # name: (number of prompts, prompt tokens, output tokens)
-WORKLOADS = {"decode": (1, 128, 128), "W16": (16, 128, 128), "W64": (64, 128, 128), "prefill": (8, 512, 1)}
-FORMATS = {"none": None, "wint8": "wint8", "wint4": "wint4"}
+WORKLOADS = {"decode": (1, 128, 128), "W4": (4, 128, 128), "W16": (16, 128, 128), "W64": (64, 128, 128),
+             "prefill": (8, 512, 1)}
+FORMATS = {"bf16": None, "wint8": "wint8", "wint4": "wint4"}
+HF = "transformers fp32"
 
 
 def build_checkpoint() -> None:
@@ -76,7 +83,7 @@ def run_ours(fmt: str, workloads: list[str]) -> dict[str, dict[str, float]]:
 
 
 HF_SCRIPT = """
-import json, sys, time, torch, numpy as np
+import json, resource, sys, time, torch, numpy as np
 from transformers import AutoModelForCausalLM
 torch.set_num_threads(2)
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
@@ -90,15 +97,74 @@ for name, (count, prompt_len, out_len) in json.loads(sys.argv[2]).items():
                        do_sample=False, pad_token_id=0)
         wall = time.perf_counter() - start
     results[name] = {"output_tok_s": count * out_len / wall, "prompt_tok_s": count * prompt_len / wall, "wall_s": wall}
+results["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 print(json.dumps(results))
 """
 
 
-def run_hf(python: str, workloads: list[str]) -> dict[str, dict[str, float]]:
-    chosen = {name: WORKLOADS[name] for name in workloads}
-    done = subprocess.run([python, "-c", HF_SCRIPT, str(CKPT), json.dumps(chosen)], capture_output=True, text=True,
-                          check=True)
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def run_isolated(args: list[str]) -> dict:
+    """Run this script (or the transformers snippet) in a child process; its last stdout line is JSON."""
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:3])} ... failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def svg_plot(table: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
+    """Output tokens/s against the number of concurrent prompts (the decode/W* workloads), one line per
+    format, as a small self-contained SVG (no plotting library needed)."""
+    batch = {name: WORKLOADS[name][0] for name in WORKLOADS if name == "decode" or name.startswith("W")}
+    series = {fmt: [(batch[n], r[n]["output_tok_s"]) for n in batch if n in r] for fmt, r in table.items()}
+    series = {k: v for k, v in series.items() if v}
+    xs = sorted({b for pts in series.values() for b, _ in pts})
+    top = max(v for pts in series.values() for _, v in pts) * 1.1
+    w, h, left, bottom, right, upper = 640, 400, 60, 50, 150, 20
+    px = {b: left + i * (w - left - right) / max(len(xs) - 1, 1) for i, b in enumerate(xs)}
+
+    def py(v: float) -> float:
+        return h - bottom - v / top * (h - bottom - upper)
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
+           f'<line x1="{left}" y1="{upper}" x2="{left}" y2="{h - bottom}" stroke="black"/>',
+           f'<text x="{(left + w - right) / 2}" y="{h - 10}" text-anchor="middle">concurrent prompts '
+           f'(128 prompt + 128 output tokens each)</text>',
+           f'<text x="15" y="{(h - bottom + upper) / 2}" transform="rotate(-90 15 {(h - bottom + upper) / 2})" '
+           f'text-anchor="middle">output tokens/s</text>']
+    for b in xs:
+        out.append(f'<text x="{px[b]}" y="{h - bottom + 18}" text-anchor="middle">{b}</text>')
+    step = 10 ** int(np.floor(np.log10(top / 2)))
+    for v in np.arange(0, top, step * (2 if top / step > 10 else 1)):
+        out.append(f'<text x="{left - 6}" y="{py(v) + 4}" text-anchor="end">{v:g}</text>')
+        out.append(f'<line x1="{left}" y1="{py(v)}" x2="{w - right}" y2="{py(v)}" stroke="#ddd"/>')
+    for i, (fmt, pts) in enumerate(series.items()):
+        color = colors[i % len(colors)]
+        coords = " ".join(f"{px[b]:.1f},{py(v):.1f}" for b, v in pts)
+        out.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"/>')
+        out.extend(f'<circle cx="{px[b]:.1f}" cy="{py(v):.1f}" r="3" fill="{color}"/>' for b, v in pts)
+        out.append(f'<text x="{w - right + 10}" y="{upper + 20 + 18 * i}" fill="{color}">{fmt}</text>')
+    out.append("</svg>")
+    path.write_text("\n".join(out) + "\n")
+
+
+def print_table(table: dict[str, dict[str, dict[str, float]]]) -> None:
+    print(f"\n{'format':<18} {'workload':<9} {'out tok/s':>10} {'prompt tok/s':>13} {'TTFT s':>8} {'wall s':>8}")
+    for fmt, rows in table.items():
+        for name, r in rows.items():
+            if name in WORKLOADS:
+                print(f"{fmt:<18} {name:<9} {r['output_tok_s']:>10.1f} {r['prompt_tok_s']:>13.1f} "
+                      f"{r.get('ttft_s', float('nan')):>8.2f} {r['wall_s']:>8.2f}")
+        print(f"{fmt:<18} peak memory {rows['peak_rss_gib']:.2f} GiB")
+    if HF in table:
+        for fmt in (f for f in table if f != HF):
+            ratios = ", ".join(f"{n} {table[fmt][n]['output_tok_s'] / table[HF][n]['output_tok_s']:.2f}x"
+                               for n in WORKLOADS if n in table[fmt] and n in table[HF])
+            print(f"{fmt} / transformers: {ratios}")
 
 
 def main() -> None:
@@ -107,30 +173,35 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {list(FORMATS)}")
     parser.add_argument("--compare-hf", action="store_true", help="also run transformers on the same workloads")
     parser.add_argument("--hf-python", default=sys.executable, help="interpreter with torch + transformers")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="write an SVG plot of tokens/s by batch size and format here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one format, print JSON
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
     workloads = args.workloads.split(",")
+    unknown = [w for w in workloads if w not in WORKLOADS] + [f for f in args.formats.split(",") if f not in FORMATS]
+    if unknown:
+        parser.error(f"unknown workloads/formats {unknown}")
+    if args.child:
+        logging.basicConfig(level=logging.WARNING)
+        results = run_ours(args.child, workloads)
+        print(json.dumps({**results, "peak_rss_gib": peak_rss_gib()}))
+        return
     build_checkpoint()
 
     table = {}
     for fmt in args.formats.split(","):
-        try:
-            table[fmt] = run_ours(fmt, workloads)
-        except NotImplementedError as e:
-            print(f"{fmt}: not supported yet ({e})")
+        table[fmt] = run_isolated([sys.executable, __file__, "--child", fmt, "--workloads", args.workloads])
+        print(f"{fmt}: " + ", ".join(f"{n} {table[fmt][n]['output_tok_s']:.1f} tok/s" for n in workloads), flush=True)
     if args.compare_hf:
-        table["transformers fp32"] = run_hf(args.hf_python, workloads)
-
-    print(f"\n{'format':<18} {'workload':<9} {'out tok/s':>10} {'prompt tok/s':>13} {'TTFT s':>8} {'wall s':>8}")
-    for fmt, rows in table.items():
-        for name, r in rows.items():
-            print(f"{fmt:<18} {name:<9} {r['output_tok_s']:>10.1f} {r['prompt_tok_s']:>13.1f} "
-                  f"{r.get('ttft_s', float('nan')):>8.2f} {r['wall_s']:>8.2f}")
-    if "transformers fp32" in table and "none" in table:
-        for name in workloads:
-            ratio = table["none"][name]["output_tok_s"] / table["transformers fp32"][name]["output_tok_s"]
-            print(f"ours (fp32 compute) / transformers, {name}: {ratio:.2f}x")
-    print(f"peak memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+        chosen = {name: WORKLOADS[name] for name in workloads}
+        table[HF] = run_isolated([args.hf_python, "-c", HF_SCRIPT, str(CKPT), json.dumps(chosen)])
+    print_table(table)
+    if args.json:
+        machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                   "date": time.strftime("%Y-%m-%d %H:%M")}
+        args.json.write_text(json.dumps({"machine": machine, "results": table}, indent=1) + "\n")
+    if args.plot:
+        svg_plot(table, args.plot)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> list[paddle.Tensor]:
     shape = [2, num_blocks * block_size, num_kv_heads, head_dim]
-    return [paddle.zeros(shape, dtype="float32") for _ in range(num_layers)]
+    # Left uninitialised: attention reads only slots written earlier, and untouched pages cost no RAM.
+    return [paddle.empty(shape, dtype="float32") for _ in range(num_layers)]
 
 
 def build_forward_context(query_lens: Sequence[int], context_lens: Sequence[int],

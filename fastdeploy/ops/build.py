@@ -29,7 +29,9 @@ from paddle import _C_ops
 
 logger = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "custom_ops"
+# The checkout's custom_ops/ (editable installs), else the copy setup.py ships in the package.
+_CHECKOUT_SOURCES = Path(__file__).resolve().parents[2] / "custom_ops"
+SOURCE_DIR = _CHECKOUT_SOURCES if _CHECKOUT_SOURCES.is_dir() else Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops_paddle.cc", "dispatch.cc", "isa_avx512.cc", "isa_avx2.cc")
 LIB_NAME = "fastdeploy_cpu_ops"
 # -ffp-contract=off: only the kernels' explicit FMAs fuse, so results match the references' rounding
