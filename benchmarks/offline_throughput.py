@@ -182,7 +182,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown workloads/formats {unknown}")
     if args.child:
-        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("fastdeploy").setLevel(logging.WARNING)
         results = run_ours(args.child, workloads)
         print(json.dumps({**results, "peak_rss_gib": peak_rss_gib()}))
         return
