@@ -229,6 +229,18 @@ def test_pack_unpack_round_trip_within_quantization_error(fmt):
     assert np.all(back[:, 3] == 0)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bf16_packing_rounds_like_paddle_cast(transposed):
+    """Round to nearest even, as Paddle's float32 -> bfloat16 cast, for contiguous and transposed views
+    (the tied LM head packs the embedding's transpose); ties included."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((70, 300), dtype=np.float32)
+    w.view(np.uint32)[0, :40] = (w.view(np.uint32)[0, :40] & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # ties
+    w = w.T if transposed else w
+    want = paddle.to_tensor(np.ascontiguousarray(w)).astype("bfloat16").astype("float32").numpy()
+    np.testing.assert_array_equal(ops.unpack_weight(ops.pack_weight(w, "bf16")).numpy(), want)
+
+
 def test_bf16_packing_keeps_checkpoint_bits():
     bits = np.random.default_rng(0).integers(0x3000, 0x4000, size=(20, 33), dtype=np.uint16)
     back = ops.unpack_weight(ops.pack_weight(bits, "bf16")).numpy()

@@ -68,9 +68,16 @@ def _pad(a: np.ndarray, rows: int, cols: int, value: float | int = 0) -> np.ndar
 
 
 def _to_bf16_bits(w: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))  # nearest even
-    return (rounded >> np.uint32(16)).astype(np.uint16)
+    """Round float32 to bfloat16 bits, nearest even; keeps w's memory order (a transposed view stays
+    transposed), and works in place on one temporary."""
+    w = w.astype(np.float32, copy=False)
+    bits = w.view(np.uint32) if w.flags.c_contiguous or w.flags.f_contiguous else w.copy().view(np.uint32)
+    rounded = bits >> np.uint32(16)
+    rounded &= np.uint32(1)
+    rounded += np.uint32(0x7FFF)
+    rounded += bits
+    rounded >>= np.uint32(16)
+    return rounded.astype(np.uint16)
 
 
 def pack_weight(w: np.ndarray | paddle.Tensor, fmt: str) -> PackedWeight:
@@ -83,7 +90,7 @@ def pack_weight(w: np.ndarray | paddle.Tensor, fmt: str) -> PackedWeight:
     placeholder = paddle.zeros([1], dtype="float32")
     if fmt in ("fp32", "bf16"):
         if fmt == "bf16":
-            bits = w if w.dtype == np.uint16 else _to_bf16_bits(w.astype(np.float32))
+            bits = w if w.dtype == np.uint16 else _to_bf16_bits(w)
             panels = _pad(bits, k, np_ * PANEL).reshape(k, np_, PANEL).transpose(1, 0, 2)
         else:
             panels = _pad(w.astype(np.float32), k, np_ * PANEL).reshape(k, np_, PANEL).transpose(1, 0, 2)

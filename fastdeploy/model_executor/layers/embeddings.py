@@ -87,17 +87,13 @@ class LMHead(PackedMatmul, nn.Layer):
         return self._tied is not None
 
     def dense_weight(self) -> np.ndarray:
+        # Tied: the head packs its own copy of the table; the embedding keeps its rows for lookups.
         if self.packed is None and self._tied is not None:
-            return self._tied.weight.numpy().T
+            return np.from_dlpack(self._tied.weight).T
         return super().dense_weight()
 
     def stored_bf16(self) -> bool:
         return bool(getattr(self._tied.weight if self._tied is not None else self.weight, "stored_bf16", False))
-
-    def pack(self, fmt: str) -> None:
-        # Tied: the packed copy is the head's own; the embedding keeps its table for lookups.
-        self.packed = ops.pack_weight(self.dense_weight(), fmt)
-        self.weight = None
 
     def weight_loader(self, param: paddle.Tensor, array: Any, shard_id: int | str | None = None) -> None:
         if shard_id is not None:

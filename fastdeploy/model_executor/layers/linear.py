@@ -75,17 +75,18 @@ class PackedMatmul:
     quantizable = True  # False keeps the layer in fp32/bf16 under quantization (e.g. an MoE router)
 
     def dense_weight(self) -> np.ndarray:
-        """The float32 [in, out] matrix this layer multiplies by (unpacked once packed)."""
+        """The float32 [in, out] matrix this layer multiplies by (unpacked once packed; before that a
+        view of the parameter's memory)."""
         if self.packed is not None:
             return ops.unpack_weight(self.packed).numpy()
-        return self.weight.numpy()
+        return np.from_dlpack(self.weight)
 
     def stored_bf16(self) -> bool:
         """Whether every checkpoint tensor loaded into the weight was bfloat16 (so bf16 packing is exact)."""
         return bool(getattr(self.weight, "stored_bf16", False))
 
     def pack(self, fmt: str) -> None:
-        self.packed = ops.pack_weight(self.weight.numpy(), fmt)
+        self.packed = ops.pack_weight(self.dense_weight(), fmt)
         self.weight = None  # the float32 copy is no longer needed
 
     def matmul(self, x: paddle.Tensor) -> paddle.Tensor:
