@@ -173,6 +173,8 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {list(FORMATS)}")
     parser.add_argument("--compare-hf", action="store_true", help="also run transformers on the same workloads")
     parser.add_argument("--hf-python", default=sys.executable, help="interpreter with torch + transformers")
+    parser.add_argument("--hf-workloads", help="workloads for transformers (default: --workloads; its W64 "
+                        "takes over 25 minutes here)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write an SVG plot of tokens/s by batch size and format here")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one format, print JSON
@@ -193,7 +195,7 @@ def main() -> None:
         table[fmt] = run_isolated([sys.executable, __file__, "--child", fmt, "--workloads", args.workloads])
         print(f"{fmt}: " + ", ".join(f"{n} {table[fmt][n]['output_tok_s']:.1f} tok/s" for n in workloads), flush=True)
     if args.compare_hf:
-        chosen = {name: WORKLOADS[name] for name in workloads}
+        chosen = {name: WORKLOADS[name] for name in (args.hf_workloads or args.workloads).split(",")}
         table[HF] = run_isolated([args.hf_python, "-c", HF_SCRIPT, str(CKPT), json.dumps(chosen)])
     print_table(table)
     if args.json:

@@ -1,6 +1,7 @@
 // Run-time choice of the kernel table (CPUID) and of the OpenMP thread count.
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 
@@ -69,6 +70,19 @@ void* scratch(int slot, int64_t bytes) {
     b.p = std::aligned_alloc(64, static_cast<size_t>(b.size));
   }
   return b.p;
+}
+
+namespace {
+struct LogitDesc {
+  const float* x;
+  bool operator()(int32_t a, int32_t b) const { return x[a] > x[b] || (x[a] == x[b] && a < b); }
+};
+}  // namespace
+
+void sort_by_logit_desc(int32_t* ids, int64_t n, const float* x) { std::sort(ids, ids + n, LogitDesc{x}); }
+
+void nth_by_logit_desc(int32_t* ids, int64_t n, int64_t nth, const float* x) {
+  std::nth_element(ids, ids + nth, ids + n, LogitDesc{x});
 }
 
 }  // namespace fd

@@ -36,6 +36,27 @@ struct LinearArgs {
   int fmt;
 };
 
+// Columns of SampleArgs::params, one row per logit row. float64 holds the float32 parameters and the
+// integer top_k exactly.
+enum SampleCol : int {
+  kTemperature = 0, kTopP, kTopK, kMinP, kRepetition, kFrequency, kPresence,
+  kUniform,  // the row's uniform draw in [0, 1)
+  kGreedy,   // nonzero: argmax after bans and penalties, nothing else
+  kSampleCols
+};
+
+struct SampleArgs {
+  const float* logits;       // [B, V], read only
+  const int64_t* token_ids;  // ids in [0, V)
+  const int64_t* token_off;  // [3B + 1]: row r's banned ids are token_ids[off[3r] .. off[3r + 1]), then its
+                             // prompt ids up to off[3r + 2], then its output ids up to off[3r + 3]
+  const double* params;      // [B, kSampleCols]
+  int64_t* out;              // [B]: the token; -1 for a sampled row whose largest logit is not finite
+  float* tau;                // [B]: a sampled row kept the tokens with logit / temperature >= tau (-inf:
+                             // all); NaN for greedy rows and rows without a finite largest logit
+  int64_t B, V;
+};
+
 // One instruction set's implementations. Every function parallelises internally with OpenMP.
 struct KernelTable {
   const char* name;
@@ -46,6 +67,7 @@ struct KernelTable {
                  int64_t D, bool interleaved);
   void (*attention)(const AttentionArgs& a);
   void (*linear)(const LinearArgs& a);
+  void (*sample)(const SampleArgs& a);
 };
 
 const KernelTable& avx512_kernels();
@@ -63,5 +85,10 @@ void set_num_threads(int n);  // <= 0: one per available core
 // at the same time. Kept out of the ISA translation units so that no std:: template is instantiated
 // under an AVX-512 target attribute and then shared with baseline code by the linker.
 void* scratch(int slot, int64_t bytes);
+
+// Token ids ordered by descending logit x[id] (ties: lower id first); the nth_ form only places the
+// element of position `nth` (std::nth_element). Here for the same reason as scratch().
+void sort_by_logit_desc(int32_t* ids, int64_t n, const float* x);
+void nth_by_logit_desc(int32_t* ids, int64_t n, int64_t nth, const float* x);
 
 }  // namespace fd

@@ -204,6 +204,40 @@ std::vector<paddle::DataType> LinearDtype(const paddle::DataType& x, const paddl
   return {x};
 }
 
+// One token per logit row, and the row's filter threshold; see fd::SampleArgs. token_lists: int64, the
+// 3B + 1 CSR offsets (into the ids that follow them) then the ids; params: float64 [B, kSampleCols].
+std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::Tensor& token_lists,
+                                   const paddle::Tensor& params) {
+  check_f32(logits, "logits");
+  const Shape ls = logits.shape();
+  PD_CHECK(ls.size() == 2 && ls[1] > 0, "logits must be [batch, vocab] with vocab > 0");
+  const int64_t B = ls[0], V = ls[1];
+  PD_CHECK(V < (int64_t{1} << 31) - 16, "vocab too large: token ids are held as int32");
+  PD_CHECK(params.is_cpu() && params.is_contiguous() && params.dtype() == paddle::DataType::FLOAT64,
+           "params must be a contiguous float64 CPU tensor");
+  PD_CHECK(params.numel() == B * fd::kSampleCols, "params must be [", B, ", ", int(fd::kSampleCols), "]");
+  Index tok(token_lists, "token_lists");
+  PD_CHECK(tok.n >= 3 * B + 1, "token_lists must start with 3 * batch + 1 offsets");
+  const int64_t* off = tok.p;
+  const int64_t* ids = tok.p + 3 * B + 1;
+  const int64_t n_ids = tok.n - (3 * B + 1);
+  PD_CHECK(off[0] == 0 && off[3 * B] == n_ids, "token offsets must run from 0 to the number of ids");
+  for (int64_t i = 0; i < 3 * B; ++i) PD_CHECK(off[i] <= off[i + 1], "token offsets must not decrease");
+  for (int64_t i = 0; i < n_ids; ++i)
+    PD_CHECK(ids[i] >= 0 && ids[i] < V, "token id ", ids[i], " is outside [0, ", V, ")");
+  auto out = paddle::empty({B}, paddle::DataType::INT64, logits.place());
+  auto tau = paddle::empty({B}, paddle::DataType::FLOAT32, logits.place());
+  fd::SampleArgs a{logits.data<float>(), ids, off, params.data<double>(), out.data<int64_t>(), tau.data<float>(),
+                   B, V};
+  if (B > 0) kernels().sample(a);
+  return {out, tau};
+}
+
+std::vector<Shape> SampleShape(const Shape& logits, const Shape&, const Shape&) { return {{logits[0]}, {logits[0]}}; }
+std::vector<paddle::DataType> SampleDtype(const paddle::DataType&, const paddle::DataType&, const paddle::DataType&) {
+  return {paddle::DataType::INT64, paddle::DataType::FLOAT32};
+}
+
 // Reads (and optionally changes) the run-time configuration: isa -2 = keep, -1 = best, 0..2 = that level
 // (clamped to the CPU's); threads -1 = keep, 0 = one per core. Returns [detected, active, threads].
 std::vector<paddle::Tensor> Runtime(const paddle::Tensor& x, int isa, int threads) {
@@ -275,6 +309,13 @@ PD_BUILD_OP(fd_linear)
     .SetKernelFn(PD_KERNEL(Linear))
     .SetInferShapeFn(PD_INFER_SHAPE(LinearShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(LinearDtype));
+
+PD_BUILD_OP(fd_sample)
+    .Inputs({"logits", "token_lists", "params"})
+    .Outputs({"tokens", "thresholds"})
+    .SetKernelFn(PD_KERNEL(Sample))
+    .SetInferShapeFn(PD_INFER_SHAPE(SampleShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(SampleDtype));
 
 PD_BUILD_OP(fd_runtime)
     .Inputs({"x"})

@@ -5,15 +5,19 @@ the argmax -> temperature -> top_k -> top_p -> min_p -> renormalise -> draw.
 
 A sampled row draws one uniform from its own generator per step and inverts the CDF of its
 filtered distribution, so a seeded request gives the same tokens whatever else is in the batch.
+The compiled op fastdeploy.ops.sample runs the whole batch when available; `sample_numpy` is the
+reference (and the fallback).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import paddle
 
+from fastdeploy import ops
 from fastdeploy.model_executor.layers.logits_processors import (
     Scratch,
     filter_thresholds,
@@ -190,10 +194,97 @@ def _ban_and_penalise(x: np.ndarray, batch: SamplingBatch, rows: np.ndarray) -> 
         frequency_presence_penalty_(x, sub[i], t, fp, pp)
 
 
-class Sampler:
-    """Picks one token per row of a step's logits; see the module docstring for the order."""
+def sample_numpy(view: np.ndarray, batch: SamplingBatch, greedy: np.ndarray, uniforms: np.ndarray,
+                 scratch: Scratch | None = None, thresholds: np.ndarray | None = None) -> np.ndarray:
+    """The numpy sampler: one token per row of the float32 [B, V] logits `view` (never written).
 
-    def __init__(self) -> None:
+    `greedy` [B] marks the rows that take the argmax; each other row inverts its filtered CDF at its
+    uniform (float64 [B], read only for those rows). `thresholds` (float32 [B]), if given, receives
+    each sampled row's filter threshold (it kept logit / temperature >= it). Also the reference of
+    fastdeploy.ops.sample.
+    """
+    scratch = Scratch() if scratch is None else scratch
+    n_rows, vocab = view.shape
+    changed = (
+        np.fromiter(map(len, batch.banned_token_ids), dtype=np.int64, count=n_rows) > 0
+    ) | (batch.repetition_penalty != 1) | (batch.frequency_penalty != 0) | (batch.presence_penalty != 0)
+    plain = greedy & ~changed
+    if plain.all():
+        return view.argmax(axis=1).astype(np.int64)
+    out = np.empty(n_rows, dtype=np.int64)
+    # Rows are copied into a reused work array a chunk at a time: this bounds memory
+    # (B = 256 rows of a 150k vocabulary) and avoids fresh, page-faulting arrays each step.
+    for group, sampled in ((plain, False), (greedy & changed, False), (~greedy, True)):
+        idx = np.flatnonzero(group)
+        for lo in range(0, idx.size, _CHUNK_ROWS):
+            rows = idx[lo:lo + _CHUNK_ROWS]
+            x = np.take(view, rows, axis=0, out=scratch.get("rows", (rows.size, vocab), np.float32))
+            _ban_and_penalise(x, batch, rows)
+            if not sampled:
+                out[rows] = x.argmax(axis=1)
+                continue
+            out[rows], tau = _sample_rows(x, batch, rows, uniforms[rows], scratch)
+            if thresholds is not None:
+                thresholds[rows] = tau
+    return out
+
+
+def _sample_rows(x: np.ndarray, batch: SamplingBatch, rows: np.ndarray, uniforms: np.ndarray,
+                 scratch: Scratch) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and filter thresholds of the sampled batch rows `rows`; x [len(rows), V] is a work
+    copy, overwritten."""
+    x /= batch.temperature[rows][:, None]
+    m = x.max(axis=1)
+    bad = np.flatnonzero(~np.isfinite(m))
+    if bad.size:
+        raise ValueError(f"logits of row {int(rows[bad[0]])} are all -inf or hold NaN/inf")
+    e = scratch.get("exp", x.shape, np.float32)
+    np.subtract(x, m[:, None], out=e)
+    np.exp(e, out=e)
+    tau = filter_thresholds(x, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows],
+                            row_max=m, exp_logits=e, scratch=scratch)
+    if (tau > -np.inf).any():
+        np.multiply(e, x >= tau[:, None], out=e)  # several times faster than copyto(where=)
+    return draw(e, uniforms), tau
+
+
+def pack_token_ids(batch: SamplingBatch, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The token lists the compiled sampler reads, as (ids, offsets) int64: row r's banned ids are
+    ids[offsets[3r]:offsets[3r + 1]], then its prompt ids up to offsets[3r + 2], then its output ids up
+    to offsets[3r + 3]. Lists a row's parameters do not use are left empty (and unchecked, as in the
+    numpy path)."""
+    n_rows = len(batch.banned_token_ids)
+    rep = batch.repetition_penalty != 1
+    needs_output = rep | (batch.frequency_penalty != 0) | (batch.presence_penalty != 0)
+    lists: list[Sequence[int]] = []
+    for r in range(n_rows):
+        lists += (batch.banned_token_ids[r], batch.prompt_token_ids[r] if rep[r] else (),
+                  batch.output_token_ids[r] if needs_output[r] else ())
+    lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if any(isinstance(t, np.ndarray) for t in lists):  # e.g. prompts kept as arrays: no per-id Python work
+        ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in lists])
+    else:
+        ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(offsets[-1]))
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():  # name the first kind of list (banned, prompt, output) that holds a bad id
+        kind = int(np.repeat(np.tile(np.arange(3), n_rows), lens)[bad].min())
+        name = ("banned_token_ids", "prompt_token_ids", "output_token_ids")[kind]
+        raise ValueError(f"{name} must hold token ids in [0, {vocab_size})")
+    return ids, offsets
+
+
+class Sampler:
+    """Picks one token per row of a step's logits; see the module docstring for the order.
+
+    The whole batch goes through the compiled op (fastdeploy.ops.sample) when it is available and
+    `use_compiled`; otherwise through numpy (`sample_numpy`). Both give the same tokens except where
+    a float rounding difference decides a cut or a draw (tests/test_sampling_op.py).
+    """
+
+    def __init__(self, use_compiled: bool = True) -> None:
+        self.use_compiled = use_compiled
         self._scratch = Scratch()
 
     def __call__(self, logits: paddle.Tensor | np.ndarray, batch: SamplingBatch) -> np.ndarray:
@@ -201,40 +292,21 @@ class Sampler:
         n_rows, vocab = view.shape
         batch.validate(n_rows)
         greedy = batch.greedy_mask()
-        missing = [int(i) for i in np.flatnonzero(~greedy) if batch.generators[i] is None]
+        sampled = np.flatnonzero(~greedy)
+        missing = [int(i) for i in sampled if batch.generators[i] is None]
         if missing:
             raise ValueError(f"generators of sampled rows {missing} are None; only greedy rows may omit one")
-        changed = (
-            np.fromiter(map(len, batch.banned_token_ids), dtype=np.int64, count=n_rows) > 0
-        ) | (batch.repetition_penalty != 1) | (batch.frequency_penalty != 0) | (batch.presence_penalty != 0)
-        plain = greedy & ~changed
-        if plain.all():
-            return view.argmax(axis=1).astype(np.int64)
-        out = np.empty(n_rows, dtype=np.int64)
-        # Rows are copied into a reused work array a chunk at a time: this bounds memory
-        # (B = 256 rows of a 150k vocabulary) and avoids fresh, page-faulting arrays each step.
-        for group, sampled in ((plain, False), (greedy & changed, False), (~greedy, True)):
-            idx = np.flatnonzero(group)
-            for lo in range(0, idx.size, _CHUNK_ROWS):
-                rows = idx[lo:lo + _CHUNK_ROWS]
-                x = np.take(view, rows, axis=0, out=self._scratch.get("rows", (rows.size, vocab), np.float32))
-                _ban_and_penalise(x, batch, rows)
-                out[rows] = self._sample(x, batch, rows) if sampled else x.argmax(axis=1)
-        return out
-
-    def _sample(self, x: np.ndarray, batch: SamplingBatch, rows: np.ndarray) -> np.ndarray:
-        """Tokens of the sampled batch rows `rows`; x [len(rows), V] is a work copy, overwritten."""
-        x /= batch.temperature[rows][:, None]
-        m = x.max(axis=1)
-        bad = np.flatnonzero(~np.isfinite(m))
-        if bad.size:
-            raise ValueError(f"logits of row {int(rows[bad[0]])} are all -inf or hold NaN/inf")
-        e = self._scratch.get("exp", x.shape, np.float32)
-        np.subtract(x, m[:, None], out=e)
-        np.exp(e, out=e)
-        tau = filter_thresholds(x, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows],
-                                row_max=m, exp_logits=e, scratch=self._scratch)
-        if (tau > -np.inf).any():
-            np.multiply(e, x >= tau[:, None], out=e)  # several times faster than copyto(where=)
-        uniforms = np.fromiter((batch.generators[i].random() for i in rows), dtype=np.float64, count=rows.size)
-        return draw(e, uniforms)
+        # One uniform per sampled row from its own generator, in row order, so a seeded request
+        # gets the same tokens whatever else is in the batch.
+        uniforms = np.zeros(n_rows, dtype=np.float64)
+        uniforms[sampled] = [batch.generators[i].random() for i in sampled]
+        if self.use_compiled and ops.library() is not None:
+            ids, offsets = pack_token_ids(batch, vocab)
+            # A float32 paddle tensor goes to the op as it is: wrapping the numpy view again costs time.
+            as_is = isinstance(logits, paddle.Tensor) and logits.dtype == paddle.float32
+            return ops.sample(logits if as_is else view, greedy=greedy, uniforms=uniforms,
+                              temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
+                              min_p=batch.min_p, repetition_penalty=batch.repetition_penalty,
+                              frequency_penalty=batch.frequency_penalty, presence_penalty=batch.presence_penalty,
+                              token_ids=ids, token_offsets=offsets)
+        return sample_numpy(view, batch, greedy, uniforms, self._scratch)

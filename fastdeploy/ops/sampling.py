@@ -1,0 +1,118 @@
+"""Token sampling for a step's logits: bans, penalties, greedy argmax or temperature / top-k / top-p /
+min-p and an inverse-CDF draw, for the whole batch in one compiled call.
+
+The semantics are the numpy sampler's (fastdeploy/model_executor/layers/sampler.py), which is also the
+reference here. Each sampled row comes with its uniform (drawn by the caller from the row's own
+generator), so a row's token never depends on the rest of the batch.
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from fastdeploy.ops.build import call_op, compiled
+
+# Columns of the op's float64 parameter table, in fd::SampleCol order (custom_ops/fd_kernels.h), with
+# the dtype each value has first (as the numpy sampler holds it): float64 represents them all exactly.
+PARAM_COLUMNS = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int64, "min_p": np.float32,
+                 "repetition_penalty": np.float32, "frequency_penalty": np.float32,
+                 "presence_penalty": np.float32, "uniforms": np.float64, "greedy": bool}
+_COLUMN = {name: j for j, name in enumerate(PARAM_COLUMNS)}
+_TOKEN_LISTS = ("banned_token_ids", "prompt_token_ids", "output_token_ids")
+# What the kernel needs of the sampled rows' values to mean anything (the Sampler checks more).
+_SAMPLED_ROW_CHECKS = (
+    ("uniforms", lambda u: (u >= 0) & (u < 1), "in [0, 1)"),
+    ("temperature", lambda t: t > 0, "> 0"),
+    ("top_p", lambda p: p <= 1, "<= 1"),
+    ("min_p", lambda p: p <= 1, "<= 1"),
+)
+
+
+def _check(logits: paddle.Tensor | np.ndarray, params: dict[str, object], token_ids: np.ndarray,
+           token_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The checked inputs: the float64 parameter table [B, len(PARAM_COLUMNS)], the ids, the offsets."""
+    shape = tuple(logits.shape)
+    if len(shape) != 2 or shape[1] == 0:
+        raise ValueError(f"logits must have shape [batch, vocab], got {list(shape)}")
+    if logits.dtype != (paddle.float32 if isinstance(logits, paddle.Tensor) else np.float32):
+        raise TypeError(f"logits must be float32, got {logits.dtype}")
+    n_rows, vocab = shape
+    table = np.empty((n_rows, len(PARAM_COLUMNS)), dtype=np.float64)
+    for j, (name, dtype) in enumerate(PARAM_COLUMNS.items()):
+        a = np.asarray(params[name])
+        if a.shape != (n_rows,):
+            raise ValueError(f"{name} must have shape ({n_rows},) to match the logits, got {a.shape}")
+        table[:, j] = a.astype(dtype, copy=False)
+    ids = np.ascontiguousarray(token_ids, dtype=np.int64).reshape(-1)
+    offsets = np.ascontiguousarray(token_offsets, dtype=np.int64).reshape(-1)
+    if offsets.shape != (3 * n_rows + 1,) or offsets[0] != 0 or offsets[-1] != ids.size or (np.diff(offsets) < 0).any():
+        raise ValueError(f"token_offsets must be {3 * n_rows + 1} non-decreasing offsets from 0 to len(token_ids)")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"token_ids must be in [0, {vocab})")
+    sampled = table[table[:, _COLUMN["greedy"]] == 0]
+    for name, ok, allowed in _SAMPLED_ROW_CHECKS:
+        if not ok(sampled[:, _COLUMN[name]]).all():
+            raise ValueError(f"{name} of sampled rows must be {allowed}")
+    return table, ids, offsets
+
+
+def sample_reference(logits: paddle.Tensor | np.ndarray, *, greedy: np.ndarray, uniforms: np.ndarray,
+                     temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                     repetition_penalty: np.ndarray, frequency_penalty: np.ndarray,
+                     presence_penalty: np.ndarray, token_ids: np.ndarray, token_offsets: np.ndarray,
+                     return_thresholds: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """`sample` by the numpy sampler (fastdeploy.model_executor.layers.sampler.sample_numpy)."""
+    from fastdeploy.model_executor.layers.sampler import SamplingBatch, sample_numpy
+
+    params = dict(greedy=greedy, uniforms=uniforms, temperature=temperature, top_k=top_k, top_p=top_p,
+                  min_p=min_p, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                  presence_penalty=presence_penalty)
+    table, ids, offsets = _check(logits, params, token_ids, token_offsets)
+    n_rows = table.shape[0]
+    rows = {name: table[:, j].astype(dtype) for j, (name, dtype) in enumerate(PARAM_COLUMNS.items())}
+    segments = np.split(ids, offsets[1:-1])
+    batch = SamplingBatch(
+        temperature=rows["temperature"], top_p=rows["top_p"], top_k=rows["top_k"], min_p=rows["min_p"],
+        repetition_penalty=rows["repetition_penalty"], frequency_penalty=rows["frequency_penalty"],
+        presence_penalty=rows["presence_penalty"], generators=[None] * n_rows,
+        **{name: segments[k::3] for k, name in enumerate(_TOKEN_LISTS)})
+    view = logits.numpy() if isinstance(logits, paddle.Tensor) else np.asarray(logits)
+    thresholds = np.full(n_rows, np.nan, dtype=np.float32)
+    tokens = sample_numpy(view, batch, rows["greedy"], rows["uniforms"], thresholds=thresholds)
+    return (tokens, thresholds) if return_thresholds else tokens
+
+
+def sample(logits: paddle.Tensor | np.ndarray, *, greedy: np.ndarray, uniforms: np.ndarray,
+           temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+           repetition_penalty: np.ndarray, frequency_penalty: np.ndarray, presence_penalty: np.ndarray,
+           token_ids: np.ndarray, token_offsets: np.ndarray, return_thresholds: bool = False,
+           use_compiled: bool = True) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """One token per row of the float32 logits [B, V] (not modified) -> int64 [B].
+
+    Per row (arrays of B values): `greedy` rows take the argmax after bans and penalties; the others
+    are divided by `temperature`, filtered by `top_k` (0/-1 off), `top_p` (1 off; renormalised after
+    top-k) and `min_p` (0 off), and draw the token where the CDF of the kept exp(logit - max), in token
+    order, passes `uniforms` (float64 in [0, 1)). Token lists are CSR: row r's banned ids are
+    token_ids[token_offsets[3r]:token_offsets[3r + 1]], its prompt ids follow up to token_offsets[3r + 2]
+    and its output ids up to token_offsets[3r + 3]; repetition_penalty covers prompt + output ids (each
+    distinct id once), frequency / presence the output ids. Raises ValueError when a sampled row has
+    no finite largest logit. With `return_thresholds`, also float32 [B]: each sampled row kept the
+    tokens with logit / temperature >= its value (-inf: all); NaN for greedy rows.
+    """
+    lib = compiled(use_compiled)
+    params = dict(greedy=greedy, uniforms=uniforms, temperature=temperature, top_k=top_k, top_p=top_p,
+                  min_p=min_p, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                  presence_penalty=presence_penalty)
+    if lib is None:
+        return sample_reference(logits, token_ids=token_ids, token_offsets=token_offsets,
+                                return_thresholds=return_thresholds, **params)
+    table, ids, offsets = _check(logits, params, token_ids, token_offsets)
+    if not isinstance(logits, paddle.Tensor) or not logits.place.is_cpu_place() or not logits.is_contiguous():
+        logits = paddle.from_dlpack(np.ascontiguousarray(np.asarray(logits)))  # zero-copy for numpy arrays
+    # Offsets and ids travel as one tensor: wrapping each array in a tensor costs ~8 us.
+    tokens, thresholds = call_op(lib, "fd_sample", logits, paddle.from_dlpack(np.concatenate([offsets, ids])),
+                                 paddle.from_dlpack(table))
+    tokens = tokens.numpy()
+    if tokens.size and tokens.min() < 0:  # -1: a sampled row without a finite largest logit
+        raise ValueError(f"logits of row {int(np.argmax(tokens < 0))} are all -inf or hold NaN/inf")
+    return (tokens, thresholds.numpy()) if return_thresholds else tokens
