@@ -180,7 +180,8 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one format, print JSON
     args = parser.parse_args()
     workloads = args.workloads.split(",")
-    unknown = [w for w in workloads if w not in WORKLOADS] + [f for f in args.formats.split(",") if f not in FORMATS]
+    formats = [f for f in args.formats.split(",") if f]  # --formats "" with --compare-hf: transformers only
+    unknown = [w for w in workloads if w not in WORKLOADS] + [f for f in formats if f not in FORMATS]
     if unknown:
         parser.error(f"unknown workloads/formats {unknown}")
     if args.child:
@@ -191,7 +192,7 @@ def main() -> None:
     build_checkpoint()
 
     table = {}
-    for fmt in args.formats.split(","):
+    for fmt in formats:
         table[fmt] = run_isolated([sys.executable, __file__, "--child", fmt, "--workloads", args.workloads])
         print(f"{fmt}: " + ", ".join(f"{n} {table[fmt][n]['output_tok_s']:.1f} tok/s" for n in workloads), flush=True)
     if args.compare_hf:
