@@ -25,7 +25,6 @@ import paddle
 from paddle import nn
 
 from fastdeploy import ops
-
 from fastdeploy.distributed.parallel_state import TPGroup, current_tp, kv_head_start, kv_heads_per_rank
 
 
