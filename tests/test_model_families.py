@@ -21,7 +21,7 @@ from fastdeploy.model_executor.layers.moe import grouped_expert_forward, select_
 from fastdeploy.model_executor.load import Checkpoint, load_model
 from fastdeploy.model_executor.models.ernie4_5_moe import Ernie4_5_MoeMLP, ErnieMoeSettings
 from fastdeploy.model_executor.models.registry import get_model_class
-from test_ernie45_parity import Runner, check_batched_chunked
+from test_ernie45_parity import Runner, check_batched_chunked, check_prefill_then_decode
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODELS = FIXTURES / "models"
@@ -95,14 +95,7 @@ def test_teacher_forced_single_forward(family: tuple[paddle.nn.Layer, dict]) -> 
 def test_prefill_then_decode_with_kv_cache(family: tuple[paddle.nn.Layer, dict]) -> None:
     model, ref = family
     for case in ref["cases"]:
-        runner = Runner(model)
-        last = runner.step({0: case["prompt_token_ids"]})[0][-1]
-        generated = []
-        for j, step in enumerate(case["steps"]):
-            assert_matches(last, step, f"prompt len {len(case['prompt_token_ids'])}, decode step {j}")
-            generated.append(int(last.argmax()))
-            last = runner.step({0: generated[-1:]})[0][-1]
-        assert generated == case["output_token_ids"]
+        check_prefill_then_decode(model, case, assert_matches)
 
 
 def test_batched_chunked_prefill_and_decode(family: tuple[paddle.nn.Layer, dict]) -> None:

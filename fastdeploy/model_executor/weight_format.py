@@ -28,9 +28,8 @@ def weight_format(layer: PackedMatmul, quantization: str | None) -> str:
 
 
 def pack_weights(model: nn.Layer, quantization: str | None) -> None:
-    """Repack every linear weight of a loaded model for the compiled weight-only GEMM."""
-    if quantization is not None and quantization not in QUANTIZED_FORMATS:
-        raise ValueError(f"quantization must be None or one of {list(QUANTIZED_FORMATS)}, got {quantization!r}")
+    """Repack every linear weight of a loaded model for the compiled weight-only GEMM (`quantization`
+    as validated by EngineConfig)."""
     counts: dict[str, int] = {}
     for _, layer in model.named_sublayers(include_self=True):
         if isinstance(layer, PackedMatmul) and layer.packed is None:
