@@ -91,4 +91,8 @@ void* scratch(int slot, int64_t bytes);
 void sort_by_logit_desc(int32_t* ids, int64_t n, const float* x);
 void nth_by_logit_desc(int32_t* ids, int64_t n, int64_t nth, const float* x);
 
+// Embedding rows from a packed table W [K, N]: out[t, :] = W[:, ids[t]] dequantized (embedding.cc).
+void packed_columns(const void* data, const float* scales, int fmt, int64_t K, int64_t N, const int64_t* ids,
+                    int64_t T, float* out);
+
 }  // namespace fd

@@ -204,6 +204,30 @@ std::vector<paddle::DataType> LinearDtype(const paddle::DataType& x, const paddl
   return {x};
 }
 
+// Rows of the embedding table held as the packed matrix W [k, n] (the LM head's layout): out [T, k].
+std::vector<paddle::Tensor> Embedding(const paddle::Tensor& ids, const paddle::Tensor& weight,
+                                      const paddle::Tensor& scales, int fmt, int64_t k, int64_t n) {
+  const Index index(ids, "ids");
+  PD_CHECK(weight.is_cpu() && weight.is_contiguous(), "weight must be a contiguous CPU tensor");
+  PD_CHECK(weight.shape().size() >= 3 && weight.shape()[0] == (n + fd::kPanel - 1) / fd::kPanel,
+           "weight must hold ceil(n / 16) panels");
+  PD_CHECK(fmt >= fd::kFp32 && fmt <= fd::kInt4, "unknown weight format ", fmt);
+  if (fmt >= fd::kInt8) check_f32(scales, "scales");
+  for (int64_t t = 0; t < index.n; ++t) PD_CHECK(index.p[t] >= 0 && index.p[t] < n, "id ", index.p[t], " is not in [0, ", n, ")");
+  auto out = paddle::empty({index.n, k}, paddle::DataType::FLOAT32, weight.place());
+  fd::packed_columns(weight.data(), fmt >= fd::kInt8 ? scales.data<float>() : nullptr, fmt, k, n, index.p, index.n,
+                     out.data<float>());
+  return {out};
+}
+
+std::vector<Shape> EmbeddingShape(const Shape& ids, const Shape&, const Shape&, int, int64_t k, int64_t) {
+  return {{ids[0], k}};
+}
+std::vector<paddle::DataType> EmbeddingDtype(const paddle::DataType&, const paddle::DataType&,
+                                             const paddle::DataType&) {
+  return {paddle::DataType::FLOAT32};
+}
+
 // One token per logit row, and the row's filter threshold; see fd::SampleArgs. token_lists: int64, the
 // 3B + 1 CSR offsets (into the ids that follow them) then the ids; params: float64 [B, kSampleCols].
 std::vector<paddle::Tensor> Sample(const paddle::Tensor& logits, const paddle::Tensor& token_lists,
@@ -309,6 +333,14 @@ PD_BUILD_OP(fd_linear)
     .SetKernelFn(PD_KERNEL(Linear))
     .SetInferShapeFn(PD_INFER_SHAPE(LinearShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(LinearDtype));
+
+PD_BUILD_OP(fd_embedding)
+    .Inputs({"ids", "weight", "scales"})
+    .Outputs({"out"})
+    .Attrs({"fmt: int", "k: int64_t", "n: int64_t"})
+    .SetKernelFn(PD_KERNEL(Embedding))
+    .SetInferShapeFn(PD_INFER_SHAPE(EmbeddingShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(EmbeddingDtype));
 
 PD_BUILD_OP(fd_sample)
     .Inputs({"logits", "token_lists", "params"})

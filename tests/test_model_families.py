@@ -16,10 +16,11 @@ import pytest
 from safetensors.numpy import save_file
 
 from fastdeploy.engine.model_config import ModelConfig
-from fastdeploy.model_executor.layers.linear import GatedMLP
-from fastdeploy.model_executor.layers.moe import grouped_expert_forward, select_experts
+from fastdeploy.model_executor.layers.moe import SparseMoE
 from fastdeploy.model_executor.load import Checkpoint, load_model
-from fastdeploy.model_executor.models.ernie4_5_moe import Ernie4_5_MoeMLP, ErnieMoeSettings
+from fastdeploy.model_executor.models.ernie4_5_moe import ErnieMoeSettings
+from fastdeploy.model_executor.weight_format import named_weights
+from fastdeploy.ops.moe import grouped_expert_forward, select_experts
 from fastdeploy.model_executor.models.registry import get_model_class
 from test_ernie45_parity import Runner, check_batched_chunked, check_prefill_then_decode
 
@@ -127,7 +128,7 @@ def test_moe_layer_placement_matches_transformers(tmp_path: Path) -> None:
         layers = config["num_hidden_layers"]
         assert [i for i in range(layers) if settings.is_moe_layer(i)] == case["moe_layers"], case["config"]
     model = load(MODELS / "ernie45_moe_tiny_paddle")
-    sparse = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, Ernie4_5_MoeMLP)]
+    sparse = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoE)]
     assert sparse == MOE_REF["placement"][0]["moe_layers"] == [1, 2]
     assert model.model.layers[1].mlp.shared_experts.down_proj.in_features == 2 * 32
 
@@ -142,10 +143,10 @@ def test_moe_norm_min_variant(tmp_path: Path, layout: str) -> None:
 
 def test_moe_layouts_load_identical_parameters() -> None:
     hf, pd = load(MODELS / "ernie45_moe_tiny_hf"), load(MODELS / "ernie45_moe_tiny_paddle")
-    hf_params, pd_params = dict(hf.named_parameters()), dict(pd.named_parameters())
+    hf_params, pd_params = named_weights(hf), named_weights(pd)
     assert hf_params.keys() == pd_params.keys()
     for name, param in hf_params.items():
-        np.testing.assert_array_equal(param.numpy(), pd_params[name].numpy(), err_msg=name)
+        np.testing.assert_array_equal(param, pd_params[name], err_msg=name)
     with Checkpoint(str(MODELS / "ernie45_moe_tiny_paddle")) as ckpt:
         # The Paddle copy carries multi-token-prediction tensors the loader must skip, and keeps the router
         # [hidden, experts] in float32.
@@ -168,13 +169,15 @@ def test_grouped_experts_equal_a_per_token_numpy_loop() -> None:
     """The grouped dispatch (sort by expert, one GEMM chain per expert, scatter-add) against a direct
     numpy evaluation of sum_j w[t, j] * expert_{id[t, j]}(x[t]) token by token."""
     rng = np.random.default_rng(0)
-    experts = [GatedMLP(8, 5) for _ in range(4)]
-    weights = []
-    for e in experts:
-        up_gate, down = rng.standard_normal((8, 10)).astype(np.float32), rng.standard_normal((5, 8)).astype(np.float32)
-        e.up_gate_proj.weight.set_value(up_gate)
-        e.down_proj.weight.set_value(down)
-        weights.append((up_gate, down))
+    weights = [(rng.standard_normal((8, 10)).astype(np.float32), rng.standard_normal((5, 8)).astype(np.float32))
+               for _ in range(4)]
+
+    def expert(up_gate: np.ndarray, down: np.ndarray):
+        def run(x: paddle.Tensor) -> paddle.Tensor:
+            h = paddle.matmul(x, paddle.to_tensor(up_gate))
+            return paddle.matmul(paddle.nn.functional.silu(h[:, :5]) * h[:, 5:], paddle.to_tensor(down))
+        return run
+    experts = [expert(*w) for w in weights]
     x = rng.standard_normal((7, 8)).astype(np.float32)
     probs = rng.dirichlet(np.ones(4), size=7).astype(np.float32)
     bias = np.array([0.0, 0.3, 0.0, -0.3], np.float32)

@@ -102,12 +102,12 @@ def test_worker_holds_the_other_shard(runs: tuple[dict, list, list, LLM]) -> Non
     ref, _, _, llm = runs
     config = llm.config.model_config
     (worker,) = llm.engine.runner.worker_parameters()
-    expected = {n: p.numpy() for n, p in load_model(config, TPGroup(1, 2)).named_parameters()}
+    expected = named_weights(load_model(config, TPGroup(1, 2)))
     assert sorted(worker) == sorted(expected)
     for name, value in expected.items():
         np.testing.assert_array_equal(worker[name], value, err_msg=name)
     mine = named_weights(llm.engine.runner.model)
-    rank0 = {n: p.numpy() for n, p in load_model(config, TPGroup(0, 2)).named_parameters()}
+    rank0 = named_weights(load_model(config, TPGroup(0, 2)))
     assert sorted(mine) == sorted(rank0)
     for name, value in rank0.items():
         np.testing.assert_array_equal(mine[name], value, err_msg=name)
@@ -152,20 +152,25 @@ def test_each_rank_loads_only_its_slices(monkeypatch: pytest.MonkeyPatch, fixtur
     """Shards have the expected shapes, together make up the full parameters, and loading one
     converts exactly that rank's elements from the file (never a whole sharded tensor)."""
     config = ModelConfig.from_pretrained(MODELS / fixture)
-    full = {n: p.numpy() for n, p in load_model(config).named_parameters()}
+    full = named_weights(load_model(config))
     converted: list[int] = []
-    original = load_module.LazyArray.__array__
+    original, original_packable = load_module.LazyArray.__array__, load_module.LazyArray.packable
 
     def counting(self, dtype=None, copy=None):
         converted.append(self.size)
         return original(self, dtype, copy)
 
+    def counting_packable(self):
+        converted.append(self.size)
+        return original_packable(self)
+
     monkeypatch.setattr(load_module.LazyArray, "__array__", counting)
+    monkeypatch.setattr(load_module.LazyArray, "packable", counting_packable)
     shards = []
     for rank in range(size):
         converted.clear()
         model = load_model(config, TPGroup(rank, size))
-        shards.append({n: p.numpy() for n, p in model.named_parameters()})
+        shards.append(named_weights(model))
         assert sum(converted) == sum(v.size for v in shards[-1].values())
     monkeypatch.undo()
 

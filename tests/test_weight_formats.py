@@ -9,9 +9,8 @@ import pytest
 from conftest import FIXTURES, TINY_HF
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.engine.model_config import ModelConfig
-from fastdeploy.model_executor.layers.embeddings import LMHead
-from fastdeploy.model_executor.layers.linear import PackedMatmul
-from fastdeploy.model_executor.load import load_model
+from fastdeploy.model_executor.layers.packed import named_slots
+from fastdeploy.model_executor.load import Checkpoint, load_model
 from fastdeploy.model_executor.weight_format import named_weights, weight_bytes
 
 DEMO = Path(__file__).parents[1] / "models" / "ernie-4.5-demo"
@@ -19,18 +18,27 @@ MOE = FIXTURES / "models" / "ernie45_moe_tiny_hf"
 
 
 def packed_formats(llm: LLM) -> dict[str, str]:
-    return {name: layer.packed.fmt for name, layer in llm.engine.runner.model.named_sublayers()
-            if isinstance(layer, PackedMatmul)}
+    """Format of every packed weight by name, and of the LM head ("lm_head", tied or not)."""
+    model = llm.engine.runner.model
+    formats = {name: slot.target.value.fmt for name, slot in named_slots(model)}
+    return formats | {"lm_head": model.lm_head.packed.fmt}
 
 
 def test_unquantized_bf16_checkpoint_packs_exactly():
     llm = LLM(model=str(TINY_HF), max_model_len=256)
     assert set(packed_formats(llm).values()) == {"bf16"}  # the fixture stores bf16
-    loaded = {n: p.numpy() for n, p in load_model(ModelConfig.from_pretrained(str(TINY_HF))).named_parameters()}
     packed = named_weights(llm.engine.runner.model)
-    assert sorted(packed) == sorted(loaded)
-    for name, value in loaded.items():
-        np.testing.assert_array_equal(packed[name], value, err_msg=name)
+    with Checkpoint(str(TINY_HF)) as ckpt:  # HF layout: [out, in], q/k/v and gate/up separate
+        raw = {name: ckpt.read(name) for name in ckpt.tensors}
+    np.testing.assert_array_equal(packed["model.embed_tokens.weight"], raw["model.embed_tokens.weight"])
+    for i in range(2):
+        p = f"model.layers.{i}."
+        qkv = np.concatenate([raw[p + f"self_attn.{n}_proj.weight"].T for n in "qkv"], axis=1)
+        np.testing.assert_array_equal(packed[p + "self_attn.qkv_proj.weight"], qkv)
+        np.testing.assert_array_equal(packed[p + "mlp.down_proj.weight"], raw[p + "mlp.down_proj.weight"].T)
+    # The tied LM head multiplies by the embedding's own bytes: one table.
+    model = llm.engine.runner.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 @pytest.mark.parametrize("quantization, body", [("wint8", "int8"), ("wint4", "int4")])
@@ -38,13 +46,13 @@ def test_quantization_formats_per_layer(quantization, body):
     llm = LLM(model=str(MOE), max_model_len=256, quantization=quantization)
     formats = packed_formats(llm)
     for name, fmt in formats.items():
-        if name.endswith("mlp.gate"):
+        if name.endswith("mlp.gate.weight"):
             assert fmt in ("fp32", "bf16"), name  # the router is never quantized
-        elif name == "lm_head":
-            assert fmt == "int8"
+        elif name in ("lm_head", "model.embed_tokens.weight"):
+            assert fmt == "int8"  # the vocabulary table
         else:
             assert fmt == body, name
-    assert any(".experts." in n for n in formats) and any(n.endswith("mlp.gate") for n in formats)
+    assert any(".experts." in n for n in formats) and any(n.endswith("mlp.gate.weight") for n in formats)
 
 
 @pytest.mark.parametrize("quantization", ["wint8", "wint4"])
@@ -52,13 +60,13 @@ def test_quantized_weights_within_a_quantization_step(quantization):
     """Dequantized weights are within half a step of the loaded ones (int4: one step where the group's
     largest value of the other sign rounds to +8 and clips to 7), with the mean error of rounding."""
     config = ModelConfig.from_pretrained(str(TINY_HF))
-    loaded = {n: p.numpy() for n, p in load_model(config).named_parameters()}
+    loaded = named_weights(load_model(config))  # bf16 as stored: exact
     llm = LLM(model=str(TINY_HF), max_model_len=256, quantization=quantization)
     model = llm.engine.runner.model
-    for name, layer in model.named_sublayers():
-        if not isinstance(layer, PackedMatmul) or isinstance(layer, LMHead):
+    for name, slot in named_slots(model):
+        if slot.target.role == "table":
             continue
-        w, q = loaded[f"{name}.weight"], layer.dense_weight()
+        w, q = loaded[name], slot.dense()
         if quantization == "wint8":  # one scale per output column
             step = np.broadcast_to(np.abs(w).max(axis=0) / 127, w.shape)
         else:  # one scale per 128 rows (zero-padded) per column

@@ -1,224 +1,41 @@
-"""Checkpoint loading: safetensors files -> float32 model parameters, for both checkpoint layouts.
+"""Building a model and filling it from a checkpoint, for both checkpoint layouts.
 
 - HF layout (`-PT` repos): decoder tensors under `model.`, linear weights [out, in], q/k/v and
   gate/up separate.
 - Paddle layout (`-Paddle` repos): decoder tensors under the model's `paddle_prefix` (`ernie.`),
   linear weights [in, out], q/k/v and gate/up fused (`qkv_proj`, `up_gate_proj`) or separate, bf16
   sometimes stored as raw U16.
-The layout is read from the tensor names and shapes. Files are parsed here (numpy has no bfloat16):
-8-byte little-endian header length, JSON header, then the raw data, memory-mapped and converted one
-tensor at a time so loading needs little more memory than the float32 model itself.
+The layout is read from the tensor names and shapes. No float32 model is ever built: the model's
+linear weights and embedding are `PackedParameter`s with no storage until the checkpoint's dtypes
+have chosen their formats and the memory plan says they fit; then each tensor goes from the
+memory-mapped file straight into its packed form (only this tensor-parallel rank's slice is read),
+in file order, its pages read ahead before and released after.
 A model may list `ignored_checkpoint_patterns` (regexes of tensors it does not use, e.g. ERNIE's
 multi-token-prediction head) and mark parameters `optional_in_checkpoint` (kept at their initial
 value when the checkpoint lacks them, as transformers does).
 """
 from __future__ import annotations
 
-import json
 import logging
-import mmap
-import os
 import re
-import struct
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from paddle import nn
+from tqdm import tqdm
 
 from fastdeploy.distributed.parallel_state import SINGLE, TPGroup, building_for
 from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.checkpoint import (  # noqa: F401 - re-exported
+    Checkpoint, LazyArray, TensorInfo, bf16_bits_to_float32, read_safetensors_header)
+from fastdeploy.model_executor.layers.packed import WeightSlot, named_slots, packed_parameters
+from fastdeploy.model_executor.memory_plan import check_fits
 from fastdeploy.model_executor.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-# safetensors dtype -> numpy dtype of the stored bytes (U16 is decoded as bf16 or fp16 bits, see read()).
-_STORED_DTYPES: dict[str, np.dtype] = {
-    "BF16": np.dtype("<u2"), "U16": np.dtype("<u2"), "F16": np.dtype("<f2"),
-    "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
-}
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    name: str
-    dtype: str  # safetensors dtype string
-    shape: tuple[int, ...]
-    file: str
-    offset: int  # absolute byte offset in the file
-
-
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 is the high half of a float32: widen the 16 bits and shift them up."""
-    wide = bits.astype(np.uint32)
-    wide <<= 16
-    return wide.view(np.float32)
-
-
-class LazyArray:
-    """A not-yet-decoded view of stored tensor data (see Checkpoint.lazy).
-
-    `np.asarray(lazy, dtype)` gives a fresh float32 array, never a view of the file."""
-
-    __slots__ = ("raw", "kind")
-
-    def __init__(self, raw: np.ndarray, kind: str) -> None:
-        self.raw = raw  # a view of the memory map, in the stored dtype
-        self.kind = kind  # "bf16" (u16 bits), "f16bits" (u16 bits of fp16) or "float"
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.raw.shape
-
-    @property
-    def ndim(self) -> int:
-        return self.raw.ndim
-
-    @property
-    def size(self) -> int:
-        return self.raw.size
-
-    @property
-    def T(self) -> LazyArray:  # noqa: N802 - numpy's name
-        return LazyArray(self.raw.T, self.kind)
-
-    def __getitem__(self, index: Any) -> LazyArray:
-        return LazyArray(self.raw[index], self.kind)
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        if self.kind == "bf16":
-            out = bf16_bits_to_float32(self.raw)
-        elif self.kind == "f16bits":
-            out = self.raw.view(np.float16).astype(np.float32)
-        else:
-            out = self.raw.astype(np.float32)  # astype copies even for F32, so no view of the mmap escapes
-        return out if dtype is None else out.astype(dtype, copy=False)
-
-
-def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
-    """Tensor name -> TensorInfo, validated against the file size."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(size - 8, _MAX_HEADER_BYTES):
-            raise ValueError(f"{path}: not a safetensors file (header length {header_len} exceeds the file)")
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: safetensors header is not valid JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: safetensors header must be a JSON object")
-    data_start = 8 + header_len
-    infos: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: malformed header entry for tensor {name!r}: {entry!r}") from e
-        if dtype not in _STORED_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {dtype}; supported: {', '.join(_STORED_DTYPES)}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * _STORED_DTYPES[dtype].itemsize
-        if end - begin != nbytes or begin < 0 or data_start + end > size:
-            raise ValueError(f"{path}: tensor {name!r} ({dtype} {list(shape)}) has data offsets "
-                             f"[{begin}, {end}] that do not fit its shape or the file")
-        infos[name] = TensorInfo(name, dtype, shape, path, data_start + begin)
-    return infos
-
-
-class Checkpoint:
-    """The tensors of a model directory: one model.safetensors, a sharded index, or plain *.safetensors files."""
-
-    def __init__(self, model_dir: str, u16_dtype: str = "bfloat16") -> None:
-        if u16_dtype not in ("bfloat16", "float16"):
-            raise ValueError(f"u16_dtype must be 'bfloat16' or 'float16', got {u16_dtype!r}")
-        self.model_dir = model_dir
-        self.u16_dtype = u16_dtype
-        self.tensors: dict[str, TensorInfo] = {}
-        self._maps: dict[str, tuple[Any, mmap.mmap]] = {}
-        for file, expected in self._files().items():
-            infos = read_safetensors_header(file)
-            if expected is not None:
-                absent = sorted(set(expected) - set(infos))
-                if absent:
-                    raise ValueError(f"{file}: tensors listed for it in {INDEX_FILE} are absent: {absent[:10]}")
-                infos = {n: infos[n] for n in expected}
-            for name, info in infos.items():
-                if name in self.tensors:
-                    raise ValueError(f"tensor {name!r} appears in both {self.tensors[name].file} and {file}")
-                self.tensors[name] = info
-
-    def _files(self) -> dict[str, list[str] | None]:
-        """File -> the tensor names the index assigns to it (None: all of the file's tensors)."""
-        index = os.path.join(self.model_dir, INDEX_FILE)
-        if os.path.isfile(index):
-            try:
-                with open(index, encoding="utf-8") as f:
-                    weight_map = json.load(f)["weight_map"]
-                assert isinstance(weight_map, dict)
-            except (json.JSONDecodeError, KeyError, TypeError, AssertionError) as e:
-                raise ValueError(f"{index}: must be JSON with a 'weight_map' object of tensor -> file") from e
-            files: dict[str, list[str] | None] = {}
-            for name, file in weight_map.items():
-                path = os.path.join(self.model_dir, str(file))
-                if not os.path.isfile(path):
-                    raise ValueError(f"{index}: tensor {name!r} is mapped to {file!r}, which does not exist")
-                files.setdefault(path, []).append(name)  # type: ignore[union-attr]
-            return files
-        single = os.path.join(self.model_dir, SINGLE_FILE)
-        if os.path.isfile(single):
-            return {single: None}
-        found = sorted(f for f in os.listdir(self.model_dir) if f.endswith(".safetensors"))
-        if not found:
-            raise ValueError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file in {self.model_dir}")
-        return {os.path.join(self.model_dir, f): None for f in found}
-
-    def read(self, name: str) -> np.ndarray:
-        """A fresh float32 array (never a view of the file) of tensor `name`."""
-        return np.asarray(self.lazy(name))
-
-    def lazy(self, name: str) -> LazyArray:
-        """Tensor `name` as a lazy view of the file: slicing and transposing are free, and only the
-        part finally converted (np.asarray) is read and decoded. Tensor-parallel loaders slice it,
-        so no rank converts the whole tensor. Valid while the checkpoint is open."""
-        info = self.tensors[name]
-        if info.file not in self._maps:
-            f = open(info.file, "rb")
-            self._maps[info.file] = (f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-        buf = self._maps[info.file][1]
-        count = int(np.prod(info.shape, dtype=np.int64))
-        raw = np.frombuffer(buf, dtype=_STORED_DTYPES[info.dtype], count=count, offset=info.offset)
-        if info.dtype == "BF16" or (info.dtype == "U16" and self.u16_dtype == "bfloat16"):
-            kind = "bf16"
-        elif info.dtype == "U16":
-            kind = "f16bits"
-        else:
-            kind = "float"
-        return LazyArray(raw.reshape(info.shape), kind)
-
-    def close(self) -> None:
-        for f, buf in self._maps.values():
-            try:
-                buf.close()
-            except BufferError:
-                pass  # a lazy view is still alive (e.g. in an error's traceback): the map closes when it goes
-            f.close()
-        self._maps.clear()
-
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+_PROGRESS_BYTES = 1 << 30  # show a progress bar for checkpoints larger than this
 
 
 @dataclass(slots=True)
@@ -228,9 +45,15 @@ class _Target:
     shard: str | None  # part of a fused parameter, None for the whole parameter
 
 
-def _plan(model: nn.Layer, names: list[str], prefix: str) -> tuple[list[_Target], list[str]]:
+def loadable(model: nn.Layer) -> dict[str, Any]:
+    """Everything a checkpoint tensor can fill, by name: float32 parameters and packed weight slots."""
+    out: dict[str, Any] = dict(model.named_parameters())
+    out.update(named_slots(model))
+    return out
+
+
+def _plan(model: nn.Layer, params: dict[str, Any], names: list[str], prefix: str) -> tuple[list[_Target], list[str]]:
     """Map checkpoint tensor names onto the model's parameters; returns (targets, unexpected names)."""
-    params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
     lm_head = getattr(model, "lm_head", None)
     tied = bool(getattr(lm_head, "tied", False))
@@ -277,7 +100,7 @@ def _stored_in_out(params: dict[str, Any], checkpoint: Checkpoint, targets: list
         if not getattr(param, "linear_in_out", False):
             continue
         shape = checkpoint.tensors[t.checkpoint_name].shape
-        expected = list(getattr(param, "global_shape", param.shape))  # the unsharded shape
+        expected = list(param.global_shape)  # the unsharded shape
         if t.shard is not None:
             expected[-1] = param.part_sizes[t.shard]
         if len(shape) == 2 and expected[0] != expected[1]:
@@ -291,16 +114,25 @@ def _stored_in_out(params: dict[str, Any], checkpoint: Checkpoint, targets: list
     return next(iter(votes)) if votes else paddle_named
 
 
-def load_weights(model: nn.Layer, checkpoint: Checkpoint) -> str:
-    """Copy every checkpoint tensor into `model`; returns the detected layout ("hf" or "paddle")."""
+@dataclass(slots=True)
+class LoadPlan:
+    targets: list[_Target]  # in file order
+    params: dict[str, Any]
+    layout: str  # "hf" or "paddle"
+    in_out: bool  # linear weights stored [in, out]
+
+
+def plan_loading(model: nn.Layer, checkpoint: Checkpoint) -> LoadPlan:
+    """Match the checkpoint to the model (raising on unexpected or missing tensors) and record how the
+    tensors filling each packed weight are stored, which decides its format."""
     names = list(checkpoint.tensors)
+    params = loadable(model)
     paddle_prefix = getattr(model, "paddle_prefix", None)
     paddle_named = bool(paddle_prefix) and any(n.startswith(paddle_prefix) for n in names)
-    targets, unexpected = _plan(model, names, paddle_prefix if paddle_named else "model.")
+    targets, unexpected = _plan(model, params, names, paddle_prefix if paddle_named else "model.")
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint {checkpoint.model_dir} "
                          f"({len(unexpected)}): {', '.join(sorted(unexpected)[:20])}")
-    params = dict(model.named_parameters())
     in_out = _stored_in_out(params, checkpoint, targets, paddle_named)
     layout = "paddle" if paddle_named or in_out else "hf"
 
@@ -315,21 +147,50 @@ def load_weights(model: nn.Layer, checkpoint: Checkpoint) -> str:
     if missing:
         raise ValueError(f"checkpoint {checkpoint.model_dir} ({layout} layout) is missing tensors "
                          f"({len(missing)}): {', '.join(missing[:20])}")
-
     for t in targets:
         param = params[t.param_name]
-        array = checkpoint.lazy(t.checkpoint_name)  # the loader converts only the slice its rank keeps
-        if getattr(param, "linear_in_out", False) and not in_out:
-            array = array.T  # still lazy; the loader copies it into the parameter
-        # bf16 packing is exact only when every part was stored bf16 (see weight_format.py).
-        param.stored_bf16 = getattr(param, "stored_bf16", True) and array.kind == "bf16"
-        try:
-            param.weight_loader(param, array, t.shard)
-        except ValueError as e:
-            stored = list(checkpoint.tensors[t.checkpoint_name].shape)
-            raise ValueError(f"tensor {t.checkpoint_name} (stored shape {stored}, {layout} layout): {e}") from e
-        del array
-    return layout
+        if isinstance(param, WeightSlot):
+            param.target.stored_kinds.add(checkpoint.kind(t.checkpoint_name))
+    targets.sort(key=lambda t: (checkpoint.tensors[t.checkpoint_name].file, checkpoint.tensors[t.checkpoint_name].offset))
+    return LoadPlan(targets, params, layout, in_out)
+
+
+def fill_weights(plan: LoadPlan, checkpoint: Checkpoint, progress: bool = True) -> None:
+    """Read every planned tensor into its parameter or packed weight, in file order."""
+    total = sum(checkpoint.nbytes(t.checkpoint_name) for t in plan.targets)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights",
+               disable=not progress or total < _PROGRESS_BYTES)
+    with bar:
+        for i, t in enumerate(plan.targets):
+            if i + 1 < len(plan.targets):
+                checkpoint.prefetch(plan.targets[i + 1].checkpoint_name)
+            param = plan.params[t.param_name]
+            array = checkpoint.lazy(t.checkpoint_name)  # the loader reads only the slice its rank keeps
+            if getattr(param, "linear_in_out", False) and not plan.in_out:
+                array = array.T  # still lazy
+            try:
+                param.weight_loader(param, array, t.shard)
+            except ValueError as e:
+                stored = list(checkpoint.tensors[t.checkpoint_name].shape)
+                raise ValueError(f"tensor {t.checkpoint_name} (stored shape {stored}, {plan.layout} layout): "
+                                 f"{e}") from e
+            del array
+            checkpoint.release(t.checkpoint_name)
+            bar.update(checkpoint.nbytes(t.checkpoint_name))
+
+
+def load_weights(model: nn.Layer, checkpoint: Checkpoint, quantization: str | None = None,
+                 available_bytes: int | None = None, tp_size: int = 1, progress: bool = True) -> str:
+    """Plan, check the memory, allocate the packed weights and fill them; returns the layout ("hf" or
+    "paddle"). `available_bytes` (default: what the host has available) is what the weights of all
+    `tp_size` ranks may take."""
+    plan = plan_loading(model, checkpoint)
+    weights = packed_parameters(model)
+    check_fits(weights, quantization, tp_size, available_bytes)
+    for weight in weights:
+        weight.allocate(weight.format_for(quantization))
+    fill_weights(plan, checkpoint, progress)
+    return plan.layout
 
 
 def _missing(model: nn.Layer, params: dict[str, Any], filled: dict[str, dict[str | None, str]],
@@ -364,17 +225,21 @@ def _missing(model: nn.Layer, params: dict[str, Any], filled: dict[str, dict[str
     return missing
 
 
-def load_model(config: ModelConfig, tp: TPGroup = SINGLE) -> nn.Layer:
+def load_model(config: ModelConfig, tp: TPGroup = SINGLE, quantization: str | None = None,
+               available_bytes: int | None = None) -> nn.Layer:
     """Build the model for `config.architectures` (this rank's shard of it when `tp` has several
-    ranks), fill it from the checkpoint, and put it in eval mode."""
+    ranks) with its weights packed as `quantization` says (None, "wint8", "wint4"; validated by
+    EngineConfig), fill it from the checkpoint, and put it in eval mode. Raises ValueError before
+    anything large is allocated when the weights would not fit in `available_bytes` (default: the
+    host's available memory)."""
     model_class = get_model_class(config.architectures)
     start = time.perf_counter()
     with building_for(tp):
-        model = model_class(config)
+        model = model_class(config)  # small float32 parameters only; packed weights come later
     # U16 holds raw 16-bit floats: which kind is only written in the config.
     u16 = "float16" if config.dtype == "float16" else "bfloat16"
     with Checkpoint(config.model_path, u16_dtype=u16) as checkpoint:
-        layout = load_weights(model, checkpoint)
+        layout = load_weights(model, checkpoint, quantization, available_bytes, tp.size, progress=tp.rank == 0)
     model.eval()
     logger.info("loaded %s (%s layout, %d tensors) from %s in %.2f s", model_class.__name__, layout,
                 len(checkpoint.tensors), config.model_path, time.perf_counter() - start)

@@ -7,7 +7,6 @@ computed after this step get logits and a sampled token; a mid-prompt chunk gets
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
 from fastdeploy.model_executor.forward_context import allocate_kv_caches
 from fastdeploy.model_executor.layers.sampler import Sampler, SamplingBatch
 from fastdeploy.model_executor.load import load_model
-from fastdeploy.model_executor.weight_format import pack_weights, weight_bytes
+from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
 from fastdeploy.worker.step import StepInputs, run_step, warmup_inputs
 from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_sigint
 
@@ -81,10 +80,6 @@ def with_logit_bias(logits: paddle.Tensor, requests: list[Request]) -> paddle.Te
     return biased
 
 
-def host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -95,13 +90,12 @@ class ModelRunner:
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
         self.tp = self.workers.tp if self.workers is not None else SINGLE
         ops.share_cores(self.tp.size)
-        ops.keep_freed_memory()  # activations reuse heap memory instead of faulting in fresh pages
         if self.workers is not None:
             # Stops the workers when this runner is garbage-collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
-            self.model = load_model(mc, self.tp)
-            pack_weights(self.model, config.quantization)
+            self.model = load_model(mc, self.tp, config.quantization)
+            ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
             self._ask_workers()  # loaded
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
             self.sampler = Sampler()
@@ -145,10 +139,12 @@ class ModelRunner:
         if cfg.num_gpu_blocks_override is not None:
             logger.info("total_block_num:%d (num_gpu_blocks_override)", cfg.num_gpu_blocks_override)
             return cfg.num_gpu_blocks_override
-        # No GPU: the budget is a share of host memory, less the weights and an activation reserve.
-        # All ranks share this host: rank 0's weights times N (replicated norms and routers counted N times).
-        weights = weight_bytes(self.model) * self.tp.size
-        budget = int(host_memory_bytes() * cfg.gpu_memory_utilization * (1 - ACTIVATION_RESERVE)) - weights
+        # No GPU: the budget is a share of host memory, less what the ranks hold resident now that the
+        # weights are loaded, and an activation reserve; never more than the host still has available.
+        share = host_memory_bytes() * cfg.gpu_memory_utilization
+        resident = resident_bytes() + sum(resident_bytes(pid) for pid in self.worker_pids)
+        reserve = int(share * ACTIVATION_RESERVE)
+        budget = min(int(share) - resident, available_memory_bytes()) - reserve
         by_memory = max(budget // self._kv_block_bytes(), 0)
         # More blocks than max_num_seqs full-length requests can use would only sit idle in RAM.
         by_use = cfg.max_num_seqs * cfg.max_blocks_per_seq

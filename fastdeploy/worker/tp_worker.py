@@ -59,14 +59,12 @@ class Worker:
     def start(self, config: Any, store_port: int, group_id: int) -> None:
         from fastdeploy import ops
         from fastdeploy.model_executor.load import load_model
-        from fastdeploy.model_executor.weight_format import pack_weights
 
         store = create_store(self.rank, self.world_size, channel.HOST, store_port)
         tp: TPGroup = create_group(self.rank, self.world_size, store, group_id)
         ops.share_cores(self.world_size)
-        ops.keep_freed_memory()  # activations reuse heap memory instead of faulting in fresh pages
-        self.model = load_model(config.model_config, tp)
-        pack_weights(self.model, config.quantization)
+        self.model = load_model(config.model_config, tp, config.quantization)
+        ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
         self.block_size = config.block_size
         self.config = config
 

@@ -3,7 +3,8 @@
 With several tensor-parallel ranks, rank r keeps the vocabulary rows [r * per, (r + 1) * per),
 per = ceil(vocab / ranks) (the last rank's surplus rows stay zero). The embedding looks up the ids
 it owns, zeros the others and all-reduces, so every rank gets exactly the owner's row; the LM head
-computes the logits of its rows and all-gathers them.
+computes the logits of its rows and all-gathers them. A tied LM head and the embedding share one
+packed table.
 """
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from typing import Any
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from fastdeploy import ops
 from fastdeploy.distributed.parallel_state import TPGroup, current_tp
 from fastdeploy.model_executor.layers.linear import PackedMatmul, _check_shape
+from fastdeploy.model_executor.layers.packed import PackedParameter, WeightSlot, add_slot
 
 
 def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
@@ -26,42 +27,53 @@ def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
     return lo, min(lo + per, vocab_size), per
 
 
+def _table(layer: nn.Layer, vocab_size: int, hidden_size: int, tp: TPGroup) -> tuple[PackedParameter, int, int]:
+    """This rank's share of the vocabulary table as a packed [hidden, rows] matrix (rows per rank)."""
+    lo, hi, per = vocab_range(vocab_size, tp)
+    return PackedParameter(hidden_size, per, role="table"), lo, hi
+
+
+def _fill_rows(weight: PackedParameter, rows: Any, count: int) -> None:
+    """Pack `rows` ([hidden, count] view) into the first columns; the last rank's surplus columns
+    (ids past the vocabulary) get zeros."""
+    weight.fill(rows)
+    if weight.n > count:
+        weight.fill(np.zeros((weight.k, weight.n - count), dtype=np.float32), col0=count)
+
+
 class VocabEmbedding(nn.Layer):
-    """weight [vocab_size, hidden_size] (this rank's rows), the same orientation in HF and Paddle checkpoints."""
+    """The token table [vocab_size, hidden_size] (this rank's rows; the same orientation in HF and Paddle
+    checkpoints), held packed as [hidden, rows] so that a tied LM head multiplies by the same bytes;
+    a lookup dequantizes the rows it needs."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp if tp is not None else current_tp()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.lo, self.hi, per = vocab_range(vocab_size, self.tp)
-        self.weight = self.create_parameter([per, hidden_size], dtype="float32",
-                                            default_initializer=nn.initializer.Constant(0.0))
-        self.weight.stop_gradient = True
-        self.weight.global_shape = [vocab_size, hidden_size]
-        self.weight.weight_loader = self.weight_loader
+        self.weight, self.lo, self.hi = _table(self, vocab_size, hidden_size, self.tp)
+        add_slot(self, "weight", WeightSlot(self.weight, [vocab_size, hidden_size], self.weight_loader,
+                                            linear_in_out=False, dense=lambda: self.weight.dense().T))
 
-    def weight_loader(self, param: paddle.Tensor, array: Any, shard_id: int | str | None = None) -> None:
+    def weight_loader(self, slot: WeightSlot, array: Any, shard_id: int | str | None = None) -> None:
         if shard_id is not None:
             raise ValueError(f"the embedding has no shards (got shard {shard_id!r})")
-        _check_shape(param, array, "weight")
-        rows = np.zeros(param.shape, dtype=np.float32)
-        rows[:self.hi - self.lo] = np.asarray(array[self.lo:self.hi], dtype=np.float32)
-        param.set_value(rows)
+        _check_shape(slot, array, "weight")
+        _fill_rows(self.weight, array[self.lo:self.hi].T, self.hi - self.lo)
 
     def forward(self, input_ids: paddle.Tensor) -> paddle.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return ops.embedding_lookup(input_ids, self.weight.value)
         mine = (input_ids >= self.lo) & (input_ids < self.hi)
         local = paddle.where(mine, input_ids - self.lo, paddle.zeros_like(input_ids))
-        rows = F.embedding(local, self.weight) * mine.unsqueeze(-1).astype(self.weight.dtype)
+        rows = ops.embedding_lookup(local, self.weight.value) * mine.unsqueeze(-1).astype("float32")
         return self.tp.all_reduce(rows)
 
 
 class LMHead(PackedMatmul, nn.Layer):
     """logits = hidden @ W. Untied: own weight [hidden, vocab] (checkpoint `lm_head.weight`; this
-    rank's columns). Tied: the embedding's [vocab, hidden] weight (its rows), used transposed; no
-    parameter of its own. Every rank returns the full [N, vocab] logits."""
+    rank's columns). Tied: the embedding's packed table, the same bytes. Every rank returns the full
+    [N, vocab] logits."""
 
     def __init__(self, hidden_size: int, vocab_size: int, tied_embedding: VocabEmbedding | None = None,
                  tp: TPGroup | None = None) -> None:
@@ -69,47 +81,21 @@ class LMHead(PackedMatmul, nn.Layer):
         self.tp = tp if tp is not None else current_tp()
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
-        self.lo, self.hi, per = vocab_range(vocab_size, self.tp)
-        # A plain attribute (not a sublayer) so the shared weight is not registered twice.
-        self.__dict__["_tied"] = tied_embedding
-        if tied_embedding is None:
-            self.weight = self.create_parameter([hidden_size, per], dtype="float32",
-                                                default_initializer=nn.initializer.Constant(0.0))
-            self.weight.stop_gradient = True
-            self.weight.global_shape = [hidden_size, vocab_size]
-            self.weight.weight_loader = self.weight_loader
-            self.weight.linear_in_out = True
+        self.tied = tied_embedding is not None
+        if tied_embedding is not None:
+            self.weight, self.lo, self.hi = tied_embedding.weight, tied_embedding.lo, tied_embedding.hi
         else:
-            self.weight = None
+            self.weight, self.lo, self.hi = _table(self, vocab_size, hidden_size, self.tp)
+            add_slot(self, "weight", WeightSlot(self.weight, [hidden_size, vocab_size], self.weight_loader))
 
-    @property
-    def tied(self) -> bool:
-        return self._tied is not None
-
-    def dense_weight(self) -> np.ndarray:
-        # Tied: the head packs its own copy of the table; the embedding keeps its rows for lookups.
-        if self.packed is None and self._tied is not None:
-            return np.from_dlpack(self._tied.weight).T
-        return super().dense_weight()
-
-    def stored_bf16(self) -> bool:
-        return bool(getattr(self._tied.weight if self._tied is not None else self.weight, "stored_bf16", False))
-
-    def weight_loader(self, param: paddle.Tensor, array: Any, shard_id: int | str | None = None) -> None:
+    def weight_loader(self, slot: WeightSlot, array: Any, shard_id: int | str | None = None) -> None:
         if shard_id is not None:
             raise ValueError(f"lm_head has no shards (got shard {shard_id!r})")
-        _check_shape(param, array, "weight")
-        cols = np.zeros(param.shape, dtype=np.float32)
-        cols[:, :self.hi - self.lo] = np.asarray(array[:, self.lo:self.hi], dtype=np.float32)
-        param.set_value(cols)
+        _check_shape(slot, array, "weight")
+        _fill_rows(self.weight, array[:, self.lo:self.hi], self.hi - self.lo)
 
     def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        if self.packed is not None:
-            logits = ops.weight_only_linear(hidden, self.packed)
-        elif self._tied is not None:
-            logits = paddle.matmul(hidden, self._tied.weight, transpose_y=True)
-        else:
-            logits = paddle.matmul(hidden, self.weight)
+        logits = self.matmul(hidden)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits)[:, :self.vocab_size]

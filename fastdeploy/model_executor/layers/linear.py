@@ -1,18 +1,16 @@
-"""Linear layers that know how to take their weights from a checkpoint, whole or as a tensor-parallel shard.
+"""Linear layers that take their weights from a checkpoint, whole or as a tensor-parallel shard.
 
-Weights load as Paddle keeps them, [in, out] float32, so the forward is one `x @ W` GEMM. Every
-parameter has a `weight_loader(param, array, shard_id)` that receives the checkpoint tensor already
-in [in, out] orientation (load.py transposes HF-layout tensors) and still lazy (load.LazyArray), so
-a sharded layer converts only the slice its rank keeps. `param.global_shape` is the unsharded shape
-the checkpoint must have.
+A layer's weight W [in, out] (y = x @ W) is a `PackedParameter`: it never exists in float32. Its
+`WeightSlot` loader receives the checkpoint tensor already in [in, out] orientation (load.py
+transposes HF-layout tensors) and still lazy (load.LazyArray, a view of the memory-mapped file), and
+packs only the slice this rank keeps, straight into the format chosen for it (fp32, bf16, int8 or
+int4; see packed.py). `slot.global_shape` is the unsharded shape the checkpoint must have. Biases are
+small float32 parameters with a `weight_loader` of their own.
 
 Tensor parallel (Megatron style): `MergedLinear` is column-parallel (each rank keeps a slice of
 every part's outputs: whole heads of q/k/v, an equal share of gate and up), `RowParallelLinear`
 keeps a slice of the inputs and sums the ranks' partial products. A column-parallel layer followed
 by a row-parallel one needs a single all-reduce.
-
-After loading, `weight_format.pack_weights` repacks every `PackedMatmul` layer's weight for the
-compiled weight-only GEMM (fp32, bf16, int8 or int4) and drops the float32 parameter.
 """
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ from paddle import nn
 
 from fastdeploy import ops
 from fastdeploy.distributed.parallel_state import TPGroup, current_tp, kv_head_start, kv_heads_per_rank
+from fastdeploy.model_executor.layers.packed import PackedParameter, WeightSlot, add_slot
 
 
 def _zeros_param(layer: nn.Layer, shape: list[int], global_shape: list[int] | None = None) -> paddle.Tensor:
@@ -36,7 +35,12 @@ def _zeros_param(layer: nn.Layer, shape: list[int], global_shape: list[int] | No
     return param
 
 
-def _check_shape(param: paddle.Tensor, array: Any, what: str) -> None:
+def _no_shard(shard_id: int | str | None) -> None:
+    if shard_id is not None:
+        raise ValueError(f"this weight has no parts (got shard {shard_id!r})")
+
+
+def _check_shape(param: Any, array: Any, what: str) -> None:
     expected = getattr(param, "global_shape", None) or list(param.shape)
     if tuple(array.shape) != tuple(expected):
         raise ValueError(f"{what}: got shape {list(array.shape)} (as the parameter is laid out), "
@@ -67,48 +71,44 @@ def qkv_slices(num_heads: int, num_kv_heads: int, head_dim: int, tp: TPGroup) ->
 
 
 class PackedMatmul:
-    """Mixin of the layers computing x @ W: through `paddle.matmul` on the float32 parameter until
-    `pack` replaces it by packed weights for `ops.weight_only_linear`."""
+    """Mixin of the layers computing x @ W, W held only packed in `self.weight` (a PackedParameter)
+    and multiplied by the compiled weight-only GEMM."""
 
-    packed: ops.PackedWeight | None = None
-    quantizable = True  # False keeps the layer in fp32/bf16 under quantization (e.g. an MoE router)
+    weight: PackedParameter
 
-    def dense_weight(self) -> np.ndarray:
-        """The float32 [in, out] matrix this layer multiplies by (unpacked once packed; before that a
-        view of the parameter's memory)."""
-        if self.packed is not None:
-            return ops.unpack_weight(self.packed).numpy()
-        return np.from_dlpack(self.weight)
-
-    def stored_bf16(self) -> bool:
-        """Whether every checkpoint tensor loaded into the weight was bfloat16 (so bf16 packing is exact)."""
-        return bool(getattr(self.weight, "stored_bf16", False))
-
-    def pack(self, fmt: str) -> None:
-        self.packed = ops.pack_weight(self.dense_weight(), fmt)
-        self.weight = None  # the float32 copy is no longer needed
+    @property
+    def packed(self) -> ops.PackedWeight | None:
+        return self.weight.value
 
     def matmul(self, x: paddle.Tensor) -> paddle.Tensor:
-        if self.packed is not None:
-            return ops.weight_only_linear(x, self.packed)
-        return paddle.matmul(x, self.weight)
+        return ops.weight_only_linear(x, self.weight.value)
+
+
+def _new_weight(layer: nn.Layer, k: int, n: int, global_shape: list[int], loader: Any, role: str = "linear",
+                part_sizes: dict[str, int] | None = None) -> PackedParameter:
+    weight = PackedParameter(k, n, role=role)
+    add_slot(layer, "weight", WeightSlot(weight, global_shape, loader, part_sizes=part_sizes))
+    return weight
 
 
 class Linear(PackedMatmul, nn.Layer):
-    """y = x @ W (+ b); W is [in_features, out_features]. Replicated on every tensor-parallel rank."""
+    """y = x @ W (+ b); W is [in_features, out_features]. Replicated on every tensor-parallel rank.
+    role="router" keeps it unquantized (an MoE gate: routing decides which experts run)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, role: str = "linear") -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = _zeros_param(self, [in_features, out_features])
+        self.weight = _new_weight(self, in_features, out_features, [in_features, out_features],
+                                  self.weight_loader, role)
         self.bias = _zeros_param(self, [out_features]) if bias else None
-        self.weight.linear_in_out = True  # HF checkpoints store it [out, in]: load.py transposes those
-        for p in self.parameters():
-            p.weight_loader = self.weight_loader
+        if self.bias is not None:
+            self.bias.weight_loader = default_weight_loader
 
-    def weight_loader(self, param: paddle.Tensor, array: Any, shard_id: int | str | None = None) -> None:
-        default_weight_loader(param, array, shard_id)
+    def weight_loader(self, slot: WeightSlot, array: Any, shard_id: int | str | None = None) -> None:
+        _no_shard(shard_id)
+        _check_shape(slot, array, "weight")
+        slot.target.fill(array)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         y = self.matmul(x)
@@ -125,18 +125,16 @@ class RowParallelLinear(PackedMatmul, nn.Layer):
         self.in_features = in_features
         self.out_features = out_features
         self.lo, self.hi = even_slice(in_features, self.tp)
-        self.weight = _zeros_param(self, [self.hi - self.lo, out_features], [in_features, out_features])
+        self.weight = _new_weight(self, self.hi - self.lo, out_features, [in_features, out_features],
+                                  self.weight_loader)
         self.bias = _zeros_param(self, [out_features]) if bias else None  # whole, added once
-        self.weight.linear_in_out = True
-        self.weight.weight_loader = self.weight_loader
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
 
-    def weight_loader(self, param: paddle.Tensor, array: Any, shard_id: int | str | None = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"parameter of shape {list(param.shape)} has no shards (got shard {shard_id!r})")
-        _check_shape(param, array, "weight")
-        param.set_value(np.asarray(array[self.lo:self.hi], dtype=np.float32))
+    def weight_loader(self, slot: WeightSlot, array: Any, shard_id: int | str | None = None) -> None:
+        _no_shard(shard_id)
+        _check_shape(slot, array, "weight")
+        slot.target.fill(array[self.lo:self.hi])
 
     def forward(self, x: paddle.Tensor, reduce: bool = True) -> paddle.Tensor:
         """reduce=False returns this rank's partial sum (bias on rank 0 only), for a caller that adds
@@ -148,41 +146,27 @@ class RowParallelLinear(PackedMatmul, nn.Layer):
         return y if self.bias is None or self.tp.rank != 0 else y + self.bias
 
 
-class MergedLinear(PackedMatmul, nn.Layer):
-    """Several projections of the same input computed in one GEMM (q|k|v, gate|up), column-parallel.
+class Parts:
+    """The column layout of a fused weight (q|k|v, gate|up): `output_sizes` of the whole layer, the range
+    `slices[i]` of part i this rank keeps, and where it lands in the rank's columns. Checkpoints give
+    each part separately (shard_id = index or name) or already fused (shard_id None: split here)."""
 
-    The output axis is the concatenation of `output_sizes`; each rank keeps the range `slices[i]`
-    of part i (all of it by default, or an equal share when `tp` has several ranks). Checkpoints may
-    give each part separately (shard_id = index or name) or already fused (shard_id None: split here
-    so per-part loaders see the same pieces).
-    """
-
-    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False,
-                 shard_names: Sequence[str] | None = None, slices: Sequence[tuple[int, int]] | None = None,
-                 tp: TPGroup | None = None) -> None:
-        super().__init__()
-        tp = tp if tp is not None else current_tp()
-        self.in_features = in_features
-        self.output_sizes = list(output_sizes)  # of the whole (unsharded) layer
+    def __init__(self, output_sizes: Sequence[int], shard_names: Sequence[str] | None,
+                 slices: Sequence[tuple[int, int]]) -> None:
+        self.output_sizes = list(output_sizes)
         self.shard_names = list(shard_names) if shard_names is not None else []
-        self.slices = list(slices) if slices is not None else [even_slice(s, tp) for s in self.output_sizes]
+        if self.shard_names and len(self.shard_names) != len(self.output_sizes):
+            raise ValueError(f"shard_names {self.shard_names} must name each of the {len(self.output_sizes)} parts")
+        self.slices = list(slices)
         self.local_sizes = [hi - lo for lo, hi in self.slices]
-        self.offsets = np.concatenate([[0], np.cumsum(self.output_sizes)]).tolist()
-        self.local_offsets = np.concatenate([[0], np.cumsum(self.local_sizes)]).tolist()
-        total, local = sum(self.output_sizes), sum(self.local_sizes)
-        self.out_features = local
-        self.weight = _zeros_param(self, [in_features, local], [in_features, total])
-        self.bias = _zeros_param(self, [local], [total]) if bias else None
-        self.weight.linear_in_out = True
-        for p in self.parameters():
-            p.weight_loader = self.weight_loader
-        if self.shard_names:
-            if len(self.shard_names) != len(self.output_sizes):
-                raise ValueError(f"shard_names {self.shard_names} must name each of the {len(self.output_sizes)} parts")
-            for p in self.parameters():
-                p.part_sizes = dict(zip(self.shard_names, self.output_sizes))  # lets load.py check part shapes
+        self.offsets = np.concatenate([[0], np.cumsum(self.output_sizes)]).astype(int).tolist()
+        self.local_offsets = np.concatenate([[0], np.cumsum(self.local_sizes)]).astype(int).tolist()
 
-    def shard_index(self, shard_id: int | str) -> int:
+    @property
+    def named_sizes(self) -> dict[str, int] | None:
+        return dict(zip(self.shard_names, self.output_sizes)) if self.shard_names else None
+
+    def index(self, shard_id: int | str) -> int:
         if isinstance(shard_id, str):
             if shard_id not in self.shard_names:
                 raise ValueError(f"unknown shard {shard_id!r}; this layer has {self.shard_names}")
@@ -191,26 +175,60 @@ class MergedLinear(PackedMatmul, nn.Layer):
             raise ValueError(f"shard index {shard_id} out of range for {len(self.output_sizes)} parts")
         return shard_id
 
-    def split(self, y: paddle.Tensor) -> list[paddle.Tensor]:
-        return paddle.split(y, self.local_sizes, axis=-1)
-
-    def weight_loader(self, param: paddle.Tensor, array: Any, shard_id: int | str | None = None) -> None:
+    def load(self, write: Any, global_shape: list[int], array: Any, shard_id: int | str | None) -> None:
+        """Call write(this rank's columns of one part, destination column) for each part `array` holds."""
         if shard_id is None:
-            _check_shape(param, array, "fused tensor")
+            if list(array.shape) != list(global_shape):
+                raise ValueError(f"fused tensor: got shape {list(array.shape)} (as the parameter is laid out), "
+                                 f"the model expects {list(global_shape)}")
             for i in range(len(self.output_sizes)):
-                lo, hi = self.offsets[i], self.offsets[i + 1]
-                self.weight_loader(param, array[..., lo:hi], i)
+                self.load(write, global_shape, array[..., self.offsets[i]:self.offsets[i + 1]], i)
             return
-        i = self.shard_index(shard_id)
-        expected = list(param.global_shape[:-1]) + [self.output_sizes[i]]
+        i = self.index(shard_id)
+        expected = list(global_shape[:-1]) + [self.output_sizes[i]]
         if list(array.shape) != expected:
             name = self.shard_names[i] if self.shard_names else str(i)
             raise ValueError(f"part {name!r}: got shape {list(array.shape)} (as the parameter is laid out), "
                              f"the model expects {expected}")
         lo, hi = self.slices[i]
-        dst = self.local_offsets[i]
-        with paddle.no_grad():
-            param[..., dst:dst + hi - lo] = paddle.to_tensor(np.ascontiguousarray(array[..., lo:hi], dtype=np.float32))
+        write(array[..., lo:hi], self.local_offsets[i])
+
+
+class MergedLinear(PackedMatmul, nn.Layer):
+    """Several projections of the same input computed in one GEMM (q|k|v, gate|up), column-parallel:
+    each rank keeps the range `slices[i]` of part i (all of it by default, or an equal share when `tp`
+    has several ranks)."""
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False,
+                 shard_names: Sequence[str] | None = None, slices: Sequence[tuple[int, int]] | None = None,
+                 tp: TPGroup | None = None) -> None:
+        super().__init__()
+        tp = tp if tp is not None else current_tp()
+        self.in_features = in_features
+        self.parts = Parts(output_sizes, shard_names,
+                           slices if slices is not None else [even_slice(s, tp) for s in output_sizes])
+        self.local_sizes = self.parts.local_sizes
+        total, local = sum(self.parts.output_sizes), sum(self.local_sizes)
+        self.out_features = local
+        self.weight = _new_weight(self, in_features, local, [in_features, total], self.weight_loader,
+                                  part_sizes=self.parts.named_sizes)
+        self.bias = _zeros_param(self, [local], [total]) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.bias_loader
+            self.bias.part_sizes = self.parts.named_sizes
+
+    def split(self, y: paddle.Tensor) -> list[paddle.Tensor]:
+        return paddle.split(y, self.local_sizes, axis=-1)
+
+    def weight_loader(self, slot: WeightSlot, array: Any, shard_id: int | str | None = None) -> None:
+        self.parts.load(lambda part, col: slot.target.fill(part, col), slot.global_shape, array, shard_id)
+
+    def bias_loader(self, param: paddle.Tensor, array: Any, shard_id: int | str | None = None) -> None:
+        def write(part: Any, col: int) -> None:
+            with paddle.no_grad():
+                param[col:col + part.shape[-1]] = paddle.to_tensor(np.asarray(part, dtype=np.float32))
+
+        self.parts.load(write, param.global_shape, array, shard_id)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         y = self.matmul(x)

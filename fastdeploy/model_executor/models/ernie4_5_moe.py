@@ -16,11 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import paddle
 from paddle import nn
 
 from fastdeploy.engine.model_config import ModelConfig
-from fastdeploy.model_executor.layers.linear import GatedMLP
 from fastdeploy.model_executor.layers.moe import SparseMoE
 from fastdeploy.model_executor.models.decoder import dense_mlp
 from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
@@ -70,23 +68,11 @@ class ErnieMoeSettings:
                 and (layer_idx + 1) % self.layer_interval == 0)
 
 
-class Ernie4_5_MoeMLP(SparseMoE):
-    """Routed experts plus the shared experts' MLP, whose output is added for every token."""
-
-    def __init__(self, config: ModelConfig, moe: ErnieMoeSettings) -> None:
-        super().__init__(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
-                         norm_min=moe.norm_min, hidden_act=config.hidden_act)
-        self.shared_experts = None
-        if moe.num_shared_experts:
-            self.shared_experts = GatedMLP(config.hidden_size, moe.intermediate_size * moe.num_shared_experts,
-                                           bias=config.use_bias, hidden_act=config.hidden_act)
-
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        # Routed and shared parts are both partial sums under tensor parallel: one all-reduce for both.
-        out = self.partial(x)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x, reduce=False)
-        return self.tp.all_reduce(out)
+def ernie_moe_mlp(config: ModelConfig, moe: ErnieMoeSettings) -> SparseMoE:
+    """Routed experts plus the shared experts' MLP (moe_intermediate_size x moe_num_shared_experts)."""
+    return SparseMoE(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, norm_min=moe.norm_min,
+                     hidden_act=config.hidden_act, shared_intermediate_size=moe.intermediate_size * moe.num_shared_experts,
+                     shared_bias=config.use_bias)
 
 
 class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
@@ -99,5 +85,5 @@ class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
 
     def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Layer:
         if self.moe.is_moe_layer(layer_idx):
-            return Ernie4_5_MoeMLP(config, self.moe)
+            return ernie_moe_mlp(config, self.moe)
         return dense_mlp(config, layer_idx)

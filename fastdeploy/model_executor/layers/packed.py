@@ -1,0 +1,121 @@
+"""Weights that only ever exist packed (`ops.PackedWeight`), never as a float32 parameter.
+
+A `PackedParameter` is a destination: this rank's [k, n] matrix (or E stacked experts' matrices), its
+format chosen once the checkpoint's dtypes are known (`format_for`), allocated without being touched
+(`allocate`), then filled column range by column range straight from the memory-mapped checkpoint
+(`fill`). A `WeightSlot` is what one checkpoint tensor fills: the unsharded shape it must have and the
+loader that slices this rank's share into its destination. load.py finds slots by name, like
+parameters, so the checkpoint naming rules (prefixes, fused/unfused parts, orientation) stay in one place.
+
+Formats: without quantization a weight keeps its checkpoint precision (bf16 when every tensor that
+fills it is stored bf16, which packs exactly; fp32 otherwise). `quantization="wint8"` packs linear
+layers as int8 per output channel, `"wint4"` as int4 per 128 inputs; the embedding / LM head table is
+int8 under both (its logits decide every token, and llama.cpp keeps it above 4 bits for the same
+reason); MoE routers are never quantized.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from paddle import nn
+
+from fastdeploy import ops
+from fastdeploy.ops.quant import ACT_BLOCK, INT4_GROUP, PANEL, PackedWeight
+
+QUANTIZED_FORMATS = {"wint8": "int8", "wint4": "int4"}
+ROLES = ("linear", "router", "table")  # table: the embedding / LM head matrix
+
+
+class PackedParameter:
+    """This rank's weight [k, n] (x @ W), or `experts` stacked ones, held only in packed form."""
+
+    __slots__ = ("k", "n", "experts", "role", "stored_kinds", "value")
+
+    def __init__(self, k: int, n: int, experts: int = 0, role: str = "linear") -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.k, self.n, self.experts, self.role = k, n, experts, role
+        self.stored_kinds: set[str] = set()  # how the checkpoint stores what fills it ("bf16", "f16bits", "float")
+        self.value: PackedWeight | None = None
+
+    def format_for(self, quantization: str | None) -> str:
+        if quantization is not None and self.role != "router":
+            return "int8" if self.role == "table" else QUANTIZED_FORMATS[quantization]
+        return "bf16" if self.stored_kinds == {"bf16"} else "fp32"
+
+    def nbytes_for(self, fmt: str) -> int:
+        """Bytes the packed weight will take in `fmt` (computed, nothing allocated)."""
+        cols = -(-self.n // PANEL) * PANEL
+        if fmt in ("fp32", "bf16"):
+            size = cols * self.k * (4 if fmt == "fp32" else 2)
+        elif fmt == "int8":
+            size = cols * -(-self.k // ACT_BLOCK) * ACT_BLOCK + cols * 4
+        else:
+            groups = -(-self.k // INT4_GROUP)
+            size = cols * groups * INT4_GROUP // 2 + cols * groups * 4
+        return size * max(self.experts, 1)
+
+    def allocate(self, fmt: str) -> None:
+        self.value = ops.empty_packed(fmt, self.k, self.n, self.experts)
+
+    def fill(self, source: Any, col0: int = 0, expert: int | None = None) -> None:
+        """Pack `source` ([rows of k, columns] lazy checkpoint view, or an array) into columns
+        [col0, col0 + its width) (of one expert)."""
+        array = source.packable() if hasattr(source, "packable") else np.asarray(source)
+        ops.pack_into(self.value, array, col0, expert)
+
+    def dense(self, expert: int | None = None) -> np.ndarray:
+        """The float32 [k, n] matrix it holds (unpacked), for inspection."""
+        value = self.value if expert is None else ops.expert_view(self.value, expert)
+        return ops.unpack_weight(value).numpy()
+
+
+Loader = Callable[["WeightSlot", Any, "int | str | None"], None]
+
+
+class WeightSlot:
+    """One checkpoint tensor's place in a `PackedParameter`. `global_shape` is the unsharded shape the
+    tensor must have as the layer lays it out ([in, out] for linear weights: `linear_in_out` tells
+    load.py to transpose HF's [out, in]); `part_sizes` names the parts of a fused weight."""
+
+    __slots__ = ("target", "global_shape", "weight_loader", "linear_in_out", "part_sizes", "expert", "dense")
+
+    def __init__(self, target: PackedParameter, global_shape: list[int], loader: Loader, *,
+                 linear_in_out: bool = True, part_sizes: dict[str, int] | None = None, expert: int | None = None,
+                 dense: Callable[[], np.ndarray] | None = None) -> None:
+        self.target = target
+        self.global_shape = list(global_shape)
+        self.weight_loader = loader  # called as weight_loader(slot, lazy_array, shard_id), like a parameter's
+        self.linear_in_out = linear_in_out
+        self.part_sizes = part_sizes
+        self.expert = expert
+        self.dense = dense or (lambda: target.dense(expert))  # what was loaded, as the layer lays it out
+
+    @property
+    def shape(self) -> list[int]:
+        return self.global_shape
+
+
+def add_slot(layer: nn.Layer, name: str, slot: WeightSlot) -> None:
+    """Register `slot` under `name` (relative to the layer, e.g. "weight" or "3.down_proj.weight")."""
+    if "weight_slots" not in layer.__dict__:
+        layer.__dict__["weight_slots"] = {}
+    layer.__dict__["weight_slots"][name] = slot
+
+
+def named_slots(model: nn.Layer) -> Iterator[tuple[str, WeightSlot]]:
+    for prefix, layer in model.named_sublayers(include_self=True):
+        for name, slot in layer.__dict__.get("weight_slots", {}).items():
+            yield (f"{prefix}.{name}" if prefix else name), slot
+
+
+def packed_parameters(model: nn.Layer) -> list[PackedParameter]:
+    """Every distinct destination, including the ones no slot fills (e.g. a tied LM head's is the embedding's)."""
+    seen: dict[int, PackedParameter] = {}
+    for _, layer in model.named_sublayers(include_self=True):
+        for value in layer.__dict__.values():
+            if isinstance(value, PackedParameter):
+                seen.setdefault(id(value), value)
+    return list(seen.values())
