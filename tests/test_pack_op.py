@@ -178,14 +178,21 @@ def test_weight_only_linear_on_pack_into_weights(isa, fmt):
     np.testing.assert_array_equal(ops.weight_only_linear(x, dst).numpy(), want.numpy())
 
 
-def test_threads_do_not_change_the_bits():
-    src, _ = source(weight(np.random.default_rng(7), 300, 100), "float32")
-    outs = []
+@pytest.mark.parametrize("fmt", FMTS)
+def test_large_weights_across_threads(isa, fmt):
+    """Wide enough for several multi-panel work items per thread; one thread or two, the same bits."""
+    src, exact = source(weight(np.random.default_rng(7), 300, 1000), "float16")
+    want = reference(src, exact, fmt)
     for threads in (1, 2):
         ops.set_num_threads(threads)
-        outs.append(ops.pack_weight(orient(src, "transposed"), "int4"))
-    ops.set_num_threads(0)
-    assert_same(*outs)
+        try:
+            for how in ("rows", "transposed"):
+                dst = ops.empty_packed(fmt, 300, 1000)
+                ops.pack_into(dst, orient(src[:, :203], how))
+                ops.pack_into(dst, orient(src[:, 203:], how), col0=203)
+                assert_same(dst, want)
+        finally:
+            ops.set_num_threads(0)
 
 
 def test_empty_packed_leaves_the_bulk_unallocated():
