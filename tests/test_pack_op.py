@@ -75,7 +75,8 @@ def reference(src: np.ndarray, exact: np.ndarray, fmt: str) -> ops.PackedWeight:
 def assert_same(a: ops.PackedWeight, b: ops.PackedWeight) -> None:
     assert (a.fmt, a.k, a.n) == (b.fmt, b.k, b.n)
     assert list(a.data.shape) == list(b.data.shape) and a.data.dtype == b.data.dtype
-    np.testing.assert_array_equal(numpy_view(a.data), numpy_view(b.data))
+    # As bytes: NaN payloads count too.
+    np.testing.assert_array_equal(numpy_view(a.data).view(np.uint8), numpy_view(b.data).view(np.uint8))
     np.testing.assert_array_equal(a.scales.numpy().view(np.uint32), b.scales.numpy().view(np.uint32))
 
 
@@ -152,7 +153,8 @@ def test_padding_columns_are_defined_before_packing(fmt):
     got = numpy_view(dst.data)[1]
     np.testing.assert_array_equal(got[-1, :, 2:], numpy_view(want.data)[-1, :, 2:])
     if fmt == "int8":
-        np.testing.assert_array_equal(dst.scales.numpy()[1, 18:].view(np.uint32), want.scales.numpy()[18:].view(np.uint32))
+        np.testing.assert_array_equal(dst.scales.numpy()[1, 18:].view(np.uint32),
+                                      want.scales.numpy()[18:].view(np.uint32))
     if fmt == "int4":
         np.testing.assert_array_equal(dst.scales.numpy()[1, -1, :, 2:].view(np.uint32),
                                       want.scales.numpy()[-1, :, 2:].view(np.uint32))
@@ -161,8 +163,8 @@ def test_padding_columns_are_defined_before_packing(fmt):
 @pytest.mark.parametrize("shape", [(1, 1), (1, 40), (33, 16), (128, 17), (257, 3)])
 @pytest.mark.parametrize("fmt", FMTS)
 def test_odd_shapes(isa, fmt, shape):
-    w = weight(np.random.default_rng(5), *shape) if min(shape) > 7 and shape[0] > 20 else np.random.default_rng(5).standard_normal(
-        shape).astype(np.float32)
+    rng = np.random.default_rng(5)
+    w = weight(rng, *shape) if min(shape) > 7 and shape[0] > 20 else rng.standard_normal(shape).astype(np.float32)
     for how in ("rows", "transposed"):
         assert_same(ops.pack_weight(orient(w, how), fmt), ops.pack_weight_reference(w, fmt))
 
@@ -240,3 +242,18 @@ def test_bad_arguments_name_the_parameter():
         ops.empty_packed("int8", 8, 20, experts=-1)
     with pytest.raises(ValueError, match="expert"):
         stacked.expert(5)
+
+
+@pytest.mark.parametrize("src_dtype", ["bf16", "float16"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_every_16_bit_pattern_converts_like_numpy(isa, fmt, src_dtype):
+    """All 65536 bfloat16 / float16 bit patterns, NaNs (signalling ones too), infinities and subnormals
+    included: the unquantized formats keep numpy's bits."""
+    bits = np.arange(65536, dtype=np.uint16).reshape(256, 256)
+    src = bits if src_dtype == "bf16" else bits.view(np.float16)
+    exact = (bits.astype(np.uint32) << 16).view(np.float32) if src_dtype == "bf16" else src.astype(np.float32)
+    want = reference(src, exact, fmt)
+    for how in ("rows", "transposed", "slice"):
+        dst = ops.empty_packed(fmt, 256, 256)
+        ops.pack_into(dst, orient(src, how))
+        np.testing.assert_array_equal(numpy_view(dst.data).view(np.uint8), numpy_view(want.data).view(np.uint8))

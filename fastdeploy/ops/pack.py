@@ -11,28 +11,26 @@ GIL for the call, so loader threads can pack while others read.
 from __future__ import annotations
 
 import ctypes
-import logging
+from collections.abc import Callable
 
 import numpy as np
 
 from fastdeploy.ops import build
 from fastdeploy.ops.quant import FORMATS, SRC_DTYPES, PackedWeight, check_pack_args, pack_into_reference
 
-logger = logging.getLogger(__name__)
-
 _c_int64 = ctypes.c_int64
-_entry: tuple[object, ctypes._CFuncPtr | None] = (None, None)  # (library it came from, function)
+_functions: dict[str, Callable[..., int]] = {}  # library path -> its fd_pack_columns
 
 
-def _pack_function(lib: build.OpsLibrary) -> ctypes._CFuncPtr:
-    global _entry
-    if _entry[0] is not lib:
-        fn = ctypes.CDLL(str(lib.path)).fd_pack_columns  # the library Paddle already loaded: same handle
+def _pack_function(lib: build.OpsLibrary) -> Callable[..., int]:
+    key = str(lib.path)
+    if key not in _functions:
+        fn = ctypes.CDLL(key).fd_pack_columns  # the library Paddle already loaded: same handle
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, _c_int64, _c_int64, _c_int64, _c_int64, ctypes.c_int,
                        ctypes.c_void_p, ctypes.c_void_p, _c_int64, _c_int64]
         fn.restype = ctypes.c_int
-        _entry = (lib, fn)
-    return _entry[1]
+        _functions[key] = fn
+    return _functions[key]
 
 
 def pack_into(dst: PackedWeight, src: np.ndarray, col0: int = 0, expert: int | None = None, *,
