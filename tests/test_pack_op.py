@@ -257,3 +257,14 @@ def test_every_16_bit_pattern_converts_like_numpy(isa, fmt, src_dtype):
         dst = ops.empty_packed(fmt, 256, 256)
         ops.pack_into(dst, orient(src, how))
         np.testing.assert_array_equal(numpy_view(dst.data).view(np.uint8), numpy_view(want.data).view(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_subnormal_and_huge_magnitudes(isa, fmt):
+    """Subnormal weights (and int8/int4 scales), and weights near float32's largest value."""
+    w = np.random.default_rng(8).standard_normal((300, 100)).astype(np.float32)
+    w[:, :40] *= np.float32(1e-39)
+    w[:, 40:60] *= np.float32(1e-36)
+    w[:, 60:70] = np.float32(1e38) * np.sign(w[:, 60:70])
+    for how in ("rows", "transposed"):
+        assert_same(ops.pack_weight(orient(w, how), fmt), ops.pack_weight_reference(w, fmt))
