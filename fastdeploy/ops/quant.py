@@ -227,8 +227,9 @@ def empty_packed(fmt: str, k: int, n: int, experts: int = 0) -> PackedWeight:
     until packed, and is fully defined once every column 0 .. n-1 has been packed."""
     _check_fmt(fmt)
     for name, value, low in (("k", k, 1), ("n", n, 1), ("experts", experts, 0)):
-        if not isinstance(value, int) or value < low:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    k, n, experts = int(k), int(n), int(experts)
     shape, dtype, scales_shape = packed_shapes(fmt, k, n)
     lead = [experts] if experts else []
     data = paddle.empty(lead + shape, dtype=dtype)
