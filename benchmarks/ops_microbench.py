@@ -6,7 +6,8 @@
 GEMV (one token): GB/s of weight bytes streamed, at the ERNIE-4.5-0.3B shapes. Each shape gets enough
 distinct weight copies (>= 256 MB) that every call reads DRAM, not the 32 MB L3, as a real decode step
 through 18 layers does. GEMM: GFLOP/s for T = 16 / 128 / 2048 tokens. Attention: one decode step of
-16 requests x 512-token contexts (16 q heads, 2 kv heads, head_dim 128), per layer. Timings are the
+16 requests x 512-token contexts (16 q heads, 2 kv heads, head_dim 128), per layer. Pack: GB/s of
+checkpoint bytes packed by ops.pack_into per source dtype, orientation and format. Timings are the
 median of repeats; this machine class is noisy, so compare within one run.
 """
 from __future__ import annotations
@@ -205,9 +206,29 @@ def bench_model_step(rng: np.random.Generator) -> None:
         del weights, lm_head, first
 
 
+def bench_pack(rng: np.random.Generator) -> None:
+    """ops.pack_into from a checkpoint-typed source ([2048, 6144], 24 MB of bf16: past L2, like a real
+    tensor) into a reused destination: GB/s of source bytes, per source dtype, orientation and format."""
+    from fastdeploy.ops.quant import _to_bf16_bits
+
+    k, n = 2048, 6144
+    w = rng.standard_normal((k, n), dtype=np.float32) * 0.02
+    sources = {"bf16": _to_bf16_bits(w), "float16": w.astype(np.float16)}
+    print(f"\npack_into [{k}, {n}]: GB/s of source read (rows = Paddle [in, out]; transposed = HF [out, in] view)")
+    print(f"{'source':>22} " + " ".join(f"{f:>8}" for f in FORMATS))
+    for name, src in sources.items():
+        for how, view in (("rows", src), ("transposed", np.ascontiguousarray(src.T).T)):
+            cells = []
+            for fmt in FORMATS:
+                dst = ops.empty_packed(fmt, k, n)
+                t = timeit(lambda _: ops.pack_into(dst, view), calls=3)
+                cells.append(f"{view.nbytes / t / 1e9:8.2f}")
+            print(f"{name + ' ' + how:>22} " + " ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="gemv,gemm,accuracy,attention,elementwise,step")
+    parser.add_argument("--only", default="gemv,gemm,accuracy,attention,elementwise,step,pack")
     parser.add_argument("--threads", type=int, default=0, help="0: one per core")
     parser.add_argument("--isa", default="best", choices=["best", "avx512", "avx2"])
     args = parser.parse_args()
@@ -218,7 +239,7 @@ def main() -> None:
     print("compiled ops:", ops.runtime_info())
     rng = np.random.default_rng(0)
     benches = {"gemv": bench_gemv, "gemm": bench_gemm, "accuracy": int8_accuracy, "attention": bench_attention,
-               "elementwise": bench_elementwise, "step": bench_model_step}
+               "elementwise": bench_elementwise, "step": bench_model_step, "pack": bench_pack}
     for name in args.only.split(","):
         benches[name](rng)
 

@@ -86,3 +86,20 @@ void nth_by_logit_desc(int32_t* ids, int64_t n, int64_t nth, const float* x) {
 }
 
 }  // namespace fd
+
+// Weight packing, called from Python through ctypes (fastdeploy/ops/pack.py) rather than as a Paddle
+// op: the source is a strided numpy view of a memory-mapped checkpoint, not a tensor. ctypes releases
+// the GIL for the call. Returns 0 on success, 1 for bad arguments, 2 when no kernels can run here.
+extern "C" __attribute__((visibility("default"))) int fd_pack_columns(
+    const void* src, int src_dtype, int64_t K, int64_t ncols, int64_t stride_k, int64_t stride_n, int fmt,
+    void* dst, float* scales, int64_t N, int64_t col0) {
+  using namespace fd;
+  if (src == nullptr || dst == nullptr || src_dtype < kSrcBf16 || src_dtype > kSrcF32 || fmt < kFp32 ||
+      fmt > kInt4 || K <= 0 || ncols <= 0 || stride_k < 0 || stride_n < 0 || col0 < 0 || col0 + ncols > N ||
+      ((fmt == kInt8 || fmt == kInt4) && scales == nullptr))
+    return 1;
+  const KernelTable* kt = active_kernels();
+  if (kt == nullptr) return 2;
+  kt->pack(PackArgs{src, src_dtype, K, ncols, stride_k, stride_n, fmt, dst, scales, N, col0});
+  return 0;
+}

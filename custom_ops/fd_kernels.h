@@ -57,6 +57,22 @@ struct SampleArgs {
   int64_t B, V;
 };
 
+// Source element types of PackArgs.
+enum PackSrcDtype : int { kSrcBf16 = 0, kSrcF16 = 1, kSrcF32 = 2 };
+
+// Pack source columns [0, ncols) of a strided [K, ncols] matrix into destination columns
+// [col0, col0 + ncols) of one packed weight (all its Kp rows, and their scales). Other columns of the
+// destination are not written.
+struct PackArgs {
+  const void* src;           // element [k, c] at src + k * stride_k + c * stride_n (elements)
+  int src_dtype;             // PackSrcDtype: raw bfloat16 bits (uint16), float16 or float32
+  int64_t K, ncols, stride_k, stride_n;
+  int fmt;                   // WeightFormat of the destination
+  void* dst;                 // packed data of the destination (one expert's)
+  float* scales;             // int8: [Np * 16]; int4: [Np, Kp / 128, 16]; unused otherwise
+  int64_t N, col0;           // destination columns (Np = ceil(N / 16)); first column written
+};
+
 // One instruction set's implementations. Every function parallelises internally with OpenMP.
 struct KernelTable {
   const char* name;
@@ -68,6 +84,7 @@ struct KernelTable {
   void (*attention)(const AttentionArgs& a);
   void (*linear)(const LinearArgs& a);
   void (*sample)(const SampleArgs& a);
+  void (*pack)(const PackArgs& a);
 };
 
 const KernelTable& avx512_kernels();

@@ -363,3 +363,23 @@ def test_keep_freed_memory_stops_page_faults_on_reallocation():
     assert faults_per_allocation() < 64  # was ~2,000 (one per 4 KB page) per allocation
     with pytest.raises(ValueError, match="max_block_bytes"):
         ops.keep_freed_memory(64 << 20)
+
+
+# ---------------------------------------------------------------- embedding lookup from a packed table
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+def test_embedding_lookup_is_the_tables_dequantized_rows(fmt):
+    """Row `id` of the table is column `id` of the packed [hidden, vocab] matrix, exactly as unpacked;
+    hidden sizes off the 32 / 128 blocks, vocab off the 16-column panels."""
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((37, 200), dtype=np.float32)  # [vocab, hidden]
+    packed = ops.pack_weight(np.ascontiguousarray(table.T), fmt)
+    ids = paddle.to_tensor(np.array([0, 36, 5, 5, 17, 31, 16, 15], dtype=np.int64))
+    expected = ops.unpack_weight(packed).numpy().T[ids.numpy()]
+    np.testing.assert_array_equal(ops.embedding_lookup_reference(ids, packed).numpy(), expected)
+    np.testing.assert_array_equal(ops.embedding_lookup(ids, packed).numpy(), expected)
+    np.testing.assert_array_equal(ops.embedding_lookup(ids.astype("int32"), packed).numpy(), expected)
+    if fmt in ("fp32", "bf16"):  # unquantized: the table itself (bf16: as rounded)
+        np.testing.assert_allclose(expected, table[ids.numpy()], rtol=2 ** -8)
+    with pytest.raises(ValueError, match="id 37 is not in"):
+        ops.embedding_lookup(paddle.to_tensor(np.array([37])), packed)

@@ -68,7 +68,7 @@ class PackedParameter:
 
     def dense(self, expert: int | None = None) -> np.ndarray:
         """The float32 [k, n] matrix it holds (unpacked), for inspection."""
-        value = self.value if expert is None else ops.expert_view(self.value, expert)
+        value = self.value if expert is None else self.value.expert(expert)
         return ops.unpack_weight(value).numpy()
 
 
