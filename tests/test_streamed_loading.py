@@ -19,7 +19,7 @@ from fastdeploy.model_executor.load import Checkpoint, load_model, load_weights,
 from fastdeploy.model_executor.memory_plan import RUNTIME_BYTES, weights_bytes
 from fastdeploy.model_executor.models.registry import get_model_class
 from fastdeploy.model_executor.weight_format import named_weights
-from fastdeploy.ops.quant import pack_weight
+from fastdeploy.ops.pack import pack_weight
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "tests" / "fixtures" / "models"

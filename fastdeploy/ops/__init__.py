@@ -11,8 +11,8 @@ from fastdeploy.ops.build import library, runtime_info, set_isa, set_num_threads
 from fastdeploy.ops.linear import weight_only_linear, weight_only_linear_reference
 from fastdeploy.ops.memory import keep_freed_memory
 from fastdeploy.ops.norm import rms_norm, rms_norm_reference
-from fastdeploy.ops.pack import pack_into
-from fastdeploy.ops.quant import (FORMATS, PackedWeight, empty_packed, pack_into_reference, pack_weight,
+from fastdeploy.ops.pack import pack_into, pack_weight
+from fastdeploy.ops.quant import (FORMATS, PackedWeight, empty_packed, pack_into_reference,
                                    pack_weight_reference, unpack_weight)
 from fastdeploy.ops.rotary import apply_rotary_, apply_rotary_reference, rotary_cos_sin, rotary_embedding_
 from fastdeploy.ops.sampling import sample, sample_reference

@@ -1,4 +1,4 @@
-"""Weight-only linear y = x @ W with W packed by `fastdeploy.ops.quant.pack_weight`.
+"""Weight-only linear y = x @ W with W packed by `fastdeploy.ops.pack.pack_weight`.
 
 fp32 and bf16 weights are computed in float32 with one FMA chain per output. For int8 and int4 the
 activations are quantized per row per 32-k block to int8 (like llama.cpp's Q8_0) and multiplied with
@@ -30,7 +30,7 @@ def weight_only_linear(x: paddle.Tensor, weight: PackedWeight, *, use_compiled: 
     """x [..., K] float32 -> x @ W [..., N] float32 (no bias: add it outside)."""
     shape = x.shape
     if not isinstance(weight, PackedWeight):
-        raise TypeError(f"weight must be a PackedWeight (see fastdeploy.ops.quant.pack_weight), got {type(weight)}")
+        raise TypeError(f"weight must be a PackedWeight (see fastdeploy.ops.pack.pack_weight), got {type(weight)}")
     if x.dtype != paddle.float32:
         raise TypeError(f"x must be float32, got {x.dtype}")
     if not shape or shape[-1] != weight.k:

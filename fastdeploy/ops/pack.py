@@ -14,9 +14,11 @@ import ctypes
 from collections.abc import Callable
 
 import numpy as np
+import paddle
 
 from fastdeploy.ops import build
-from fastdeploy.ops.quant import FORMATS, SRC_DTYPES, PackedWeight, check_pack_args, pack_into_reference
+from fastdeploy.ops.quant import (FORMATS, SRC_DTYPES, PackedWeight, as_matrix, check_fmt, check_pack_args, empty_packed,
+                                   pack_into_reference)
 
 _c_int64 = ctypes.c_int64
 _functions: dict[str, Callable[..., int]] = {}  # library path -> its fd_pack_columns
@@ -56,3 +58,17 @@ def pack_into(dst: PackedWeight, src: np.ndarray, col0: int = 0, expert: int | N
                              FORMATS[target.fmt], target.data.data_ptr(), scales, target.n, int(col0))
     if rc != 0:  # arguments are checked above, so this is an internal inconsistency
         raise ValueError(f"fd_pack_columns rejected its arguments (code {rc})")
+
+
+def pack_weight(w: np.ndarray | paddle.Tensor, fmt: str) -> PackedWeight:
+    """Quantize/pack W [K, N] (float, or for "bf16" raw bfloat16 bits as uint16) into `fmt`: the
+    compiled op when available (same bits as `pack_weight_reference`)."""
+    check_fmt(fmt)
+    w = as_matrix(w)
+    if w.dtype == np.uint16 and fmt != "bf16":
+        raise ValueError("uint16 (raw bfloat16) input is only accepted for fmt='bf16'")
+    if w.dtype not in (np.uint16, np.float16, np.float32):
+        w = w.astype(np.float32)
+    dst = empty_packed(fmt, w.shape[0], w.shape[1])
+    pack_into(dst, w)
+    return dst

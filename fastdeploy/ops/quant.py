@@ -68,7 +68,7 @@ class PackedWeight:
         return size + (int(np.prod(self.scales.shape)) * 4 if self.fmt in ("int8", "int4") else 0)
 
 
-def _as_matrix(w: np.ndarray | paddle.Tensor) -> np.ndarray:
+def as_matrix(w: np.ndarray | paddle.Tensor) -> np.ndarray:
     if isinstance(w, paddle.Tensor):
         w = w.astype("float32").numpy() if w.dtype != paddle.float32 else w.numpy()
     w = np.asarray(w)
@@ -130,36 +130,20 @@ def _pack_numpy(w: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray | None]
     return np.ascontiguousarray(data), np.ascontiguousarray(scales)
 
 
-def _check_fmt(fmt: str) -> None:
+def check_fmt(fmt: str) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
 
 
 def pack_weight_reference(w: np.ndarray | paddle.Tensor, fmt: str) -> PackedWeight:
     """numpy: quantize/pack W [K, N] (float, or for "bf16" raw bfloat16 bits as uint16) into `fmt`."""
-    _check_fmt(fmt)
-    w = _as_matrix(w)
+    check_fmt(fmt)
+    w = as_matrix(w)
     if w.dtype == np.uint16 and fmt != "bf16":
         raise ValueError("uint16 (raw bfloat16) input is only accepted for fmt='bf16'")
     data, scales = _pack_numpy(w, fmt)
     return PackedWeight(fmt, w.shape[0], w.shape[1], paddle.to_tensor(data),  # uint16 -> paddle bfloat16
                         paddle.zeros([1], dtype="float32") if scales is None else paddle.to_tensor(scales))
-
-
-def pack_weight(w: np.ndarray | paddle.Tensor, fmt: str) -> PackedWeight:
-    """Quantize/pack W [K, N] (float, or for "bf16" raw bfloat16 bits as uint16) into `fmt`: the
-    compiled op when available (same bits as `pack_weight_reference`)."""
-    from fastdeploy.ops.pack import pack_into  # pack.py builds on this module
-
-    _check_fmt(fmt)
-    w = _as_matrix(w)
-    if w.dtype == np.uint16 and fmt != "bf16":
-        raise ValueError("uint16 (raw bfloat16) input is only accepted for fmt='bf16'")
-    if w.dtype not in (np.uint16, np.float16, np.float32):
-        w = w.astype(np.float32)
-    dst = empty_packed(fmt, w.shape[0], w.shape[1])
-    pack_into(dst, w)
-    return dst
 
 
 def unpack_weight(pw: PackedWeight, padded: bool = False) -> paddle.Tensor:
@@ -198,7 +182,7 @@ def quantize_activations_reference(x: paddle.Tensor, k_padded: int) -> paddle.Te
 
 def packed_shapes(fmt: str, k: int, n: int) -> tuple[list[int], str, list[int] | None]:
     """(data shape, data dtype, scales shape or None) of one packed [k, n] weight."""
-    _check_fmt(fmt)
+    check_fmt(fmt)
     np_ = -(-n // PANEL)
     if fmt in ("fp32", "bf16"):
         return [np_, k, PANEL], "float32" if fmt == "fp32" else "bfloat16", None
@@ -225,7 +209,7 @@ def empty_packed(fmt: str, k: int, n: int, experts: int = 0) -> PackedWeight:
     [E, ...] (experts > 0). Only the padding columns n .. Np*16 - 1 are written (with what packing
     zeros gives: q = 0, scale 0 - int4's is -0.0 = 0 / -8), so the bulk stays unallocated by the OS
     until packed, and is fully defined once every column 0 .. n-1 has been packed."""
-    _check_fmt(fmt)
+    check_fmt(fmt)
     for name, value, low in (("k", k, 1), ("n", n, 1), ("experts", experts, 0)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
