@@ -8,16 +8,18 @@ from fastdeploy.ops.attention import paged_attention, paged_attention_reference
 from fastdeploy.ops.build import library, runtime_info, set_isa, set_num_threads, share_cores
 from fastdeploy.ops.linear import weight_only_linear, weight_only_linear_reference
 from fastdeploy.ops.memory import keep_freed_memory
+from fastdeploy.ops.moe import fused_moe, fused_moe_reference, grouped_expert_forward, select_experts
 from fastdeploy.ops.norm import rms_norm, rms_norm_reference
 from fastdeploy.ops.quant import FORMATS, PackedWeight, pack_weight, unpack_weight
 from fastdeploy.ops.rotary import apply_rotary_, apply_rotary_reference, rotary_cos_sin, rotary_embedding_
 from fastdeploy.ops.sampling import sample, sample_reference
 
 __all__ = [
-    "FORMATS", "PackedWeight", "apply_rotary_", "apply_rotary_reference", "keep_freed_memory", "library",
+    "FORMATS", "PackedWeight", "apply_rotary_", "apply_rotary_reference", "fused_moe", "fused_moe_reference",
+    "grouped_expert_forward", "keep_freed_memory", "library",
     "pack_weight",
     "paged_attention", "paged_attention_reference", "rms_norm", "rms_norm_reference", "rotary_cos_sin",
     "rotary_embedding_", "runtime_info", "set_isa", "set_num_threads", "share_cores", "silu_and_mul", "silu_and_mul_reference",
     "unpack_weight", "weight_only_linear", "weight_only_linear_reference",
-    "sample", "sample_reference",
+    "sample", "sample_reference", "select_experts",
 ]
