@@ -3,8 +3,8 @@
 The op and the reference route identically (same router product, the same top-k rule) and compute each
 expert's rows with the same rounding (the reference's int8/int4 activation quantization is the
 kernels'), so only the order of the final sums differs: outputs agree to ~1e-6 relative and the chosen
-experts are identical. A token's output must not depend on the rest of the batch or the thread count:
-asserted bit for bit.
+experts are identical. A token's output must not depend on the rest of the batch (nor on the path:
+decode batches and larger ones are parallelised differently) or the thread count: asserted bit for bit.
 """
 from __future__ import annotations
 
@@ -155,27 +155,32 @@ def test_router_logits_and_routing_are_bitwise_fd_linear():
     np.testing.assert_allclose(weights.numpy(), np.take_along_axis(probs, ids.numpy(), axis=-1), rtol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
-def test_token_output_does_not_depend_on_batch_or_threads(fmt):
+@pytest.mark.parametrize("fmt,experts,top_k", [("fp32", 16, 6), ("bf16", 16, 6), ("int8", 16, 6), ("int4", 16, 6),
+                                                ("int8", 8, 8)])  # 8 of 8: 300 rows per expert, two chunks
+def test_token_output_does_not_depend_on_batch_or_threads(fmt, experts, top_k):
+    """Decode (T <= 4: experts split over threads) and batch (grouped GEMMs) paths give the same bits."""
     rng = np.random.default_rng(11)
-    layer = make_layer(rng, 128, 64, 16, fmt, shared_inter=64, shared_fmt="int4" if fmt == "bf16" else "bf16")
+    layer = make_layer(rng, 128, 64, experts, fmt, shared_inter=64, shared_fmt="int4" if fmt == "bf16" else "bf16")
     x = paddle.to_tensor(rng.standard_normal((300, 128), dtype=np.float32))
-    batch = run(ops.fused_moe, x, layer, 6)[0].numpy()
+    batch = run(ops.fused_moe, x, layer, top_k)[0].numpy()
     for t in (0, 1, 150, 299):
-        alone = run(ops.fused_moe, x[t:t + 1].contiguous(), layer, 6)[0].numpy()
+        alone = run(ops.fused_moe, x[t:t + 1].contiguous(), layer, top_k)[0].numpy()
         np.testing.assert_array_equal(alone[0], batch[t])
-    pair = run(ops.fused_moe, x[3:5].contiguous(), layer, 6)[0].numpy()
-    np.testing.assert_array_equal(pair, batch[3:5])
+    for lo, hi in ((3, 5), (10, 14), (20, 27)):
+        part = run(ops.fused_moe, x[lo:hi].contiguous(), layer, top_k)[0].numpy()
+        np.testing.assert_array_equal(part, batch[lo:hi])
     try:
         ops.set_num_threads(1)
-        single = run(ops.fused_moe, x, layer, 6)[0].numpy()
+        single = run(ops.fused_moe, x, layer, top_k)[0].numpy()
+        single_decode = run(ops.fused_moe, x[:3].contiguous(), layer, top_k)[0].numpy()
     finally:
         ops.set_num_threads(0)
     np.testing.assert_array_equal(single, batch)
+    np.testing.assert_array_equal(single_decode, batch[:3])
     if len(ISAS) > 1:  # the linear kernels give the same bits on both instruction sets
         try:
             ops.set_isa("avx2")
-            np.testing.assert_array_equal(run(ops.fused_moe, x, layer, 6)[0].numpy(), batch)
+            np.testing.assert_array_equal(run(ops.fused_moe, x, layer, top_k)[0].numpy(), batch)
         finally:
             ops.set_isa("best")
 
