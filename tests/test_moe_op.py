@@ -3,8 +3,8 @@
 The op and the reference route identically (same router product, the same top-k rule) and compute each
 expert's rows with the same rounding (the reference's int8/int4 activation quantization is the
 kernels'), so only the order of the final sums differs: outputs agree to ~1e-6 relative and the chosen
-experts are identical. A token's output must not depend on the rest of the batch (nor on the path:
-decode batches and larger ones are parallelised differently) or the thread count: asserted bit for bit.
+experts are identical. A token's output must not depend on the rest of the batch (how rows are grouped
+and chunked per expert) or the thread count: asserted bit for bit.
 """
 from __future__ import annotations
 
@@ -158,7 +158,6 @@ def test_router_logits_and_routing_are_bitwise_fd_linear():
 @pytest.mark.parametrize("fmt,experts,top_k", [("fp32", 16, 6), ("bf16", 16, 6), ("int8", 16, 6), ("int4", 16, 6),
                                                 ("int8", 8, 8)])  # 8 of 8: 300 rows per expert, two chunks
 def test_token_output_does_not_depend_on_batch_or_threads(fmt, experts, top_k):
-    """Decode (T <= 4: experts split over threads) and batch (grouped GEMMs) paths give the same bits."""
     rng = np.random.default_rng(11)
     layer = make_layer(rng, 128, 64, experts, fmt, shared_inter=64, shared_fmt="int4" if fmt == "bf16" else "bf16")
     x = paddle.to_tensor(rng.standard_normal((300, 128), dtype=np.float32))
