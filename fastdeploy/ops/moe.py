@@ -14,6 +14,7 @@ here: the result is this rank's partial sum, which the caller all-reduces.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -121,7 +122,7 @@ def _check(x: paddle.Tensor, router: PackedWeight, correction_bias: paddle.Tenso
         raise ValueError(f"expert_start ({expert_start!r}) + the {local} stacked experts must lie within "
                          f"num_experts = {num_experts}")
     if correction_bias is not None and (correction_bias.dtype != paddle.float32
-                                        or int(np.prod(correction_bias.shape)) != num_experts):
+                                        or math.prod(correction_bias.shape) != num_experts):
         raise ValueError(f"correction_bias must be float32 with num_experts = {num_experts} elements, got "
                          f"{correction_bias.dtype} {correction_bias.shape}")
     if norm_min is not None and not (isinstance(norm_min, (int, float)) and norm_min >= 0):
@@ -178,7 +179,7 @@ def fused_moe(x: paddle.Tensor, router: PackedWeight, correction_bias: paddle.Te
            shared_down)
     if not x.is_contiguous():
         x = x.contiguous()
-    bias = _EMPTY if correction_bias is None else correction_bias.reshape([-1])
+    bias = _EMPTY if correction_bias is None else correction_bias  # any shape with E elements
     shared = (shared_up_gate, shared_down) if shared_up_gate is not None else (up_gate, down)  # ignored if absent
     shared_fmts = ((FORMATS[shared_up_gate.fmt], FORMATS[shared_down.fmt]) if shared_up_gate is not None
                    else (-1, -1))
