@@ -36,6 +36,33 @@ struct LinearArgs {
   int fmt;
 };
 
+// One packed weight, or E of them stacked (expert e's data starts e * w_stride bytes in, its scales
+// e * s_stride floats in). w == nullptr: absent.
+struct MoeWeight {
+  const void* w;
+  const float* scales;  // int8 / int4 only
+  int64_t w_stride, s_stride;
+  int64_t K, N;
+  int fmt;
+};
+
+// One mixture-of-experts layer: softmax routing over E experts, top-k, this rank's experts
+// expert_start .. expert_start + E_local - 1 (the others contribute nothing), plus the shared MLP.
+struct MoeArgs {
+  const float* x;          // [T, H]
+  MoeWeight router;        // K = H, N = E; fp32 or bf16
+  const float* bias;       // [E] added to probs for choosing only; nullptr: none
+  MoeWeight up_gate;       // stacked [E_local]: K = H, N = 2I, columns gate | up
+  MoeWeight down;          // stacked [E_local]: K = I, N = H
+  MoeWeight shared_up_gate, shared_down;  // unstacked; w == nullptr: no shared experts
+  float* out;              // [T, H]
+  int64_t* ids;            // [T, top_k]: chosen global expert ids, best first
+  float* weights;          // [T, top_k]: their routing weights
+  int64_t T, H, E, E_local, expert_start, top_k;
+  float norm_min;
+  bool renormalize;        // false: weights are the chosen probs as they are
+};
+
 // Columns of SampleArgs::params, one row per logit row. float64 holds the float32 parameters and the
 // integer top_k exactly.
 enum SampleCol : int {
@@ -85,6 +112,7 @@ struct KernelTable {
   void (*linear)(const LinearArgs& a);
   void (*sample)(const SampleArgs& a);
   void (*pack)(const PackArgs& a);
+  void (*moe)(const MoeArgs& a);
 };
 
 const KernelTable& avx512_kernels();

@@ -30,12 +30,13 @@ constexpr int kInt4Rows = 2, kInt4Panels = 1;
 #include "kern_linear.inc"
 #include "kern_sampling.inc"
 #include "kern_pack.inc"
+#include "kern_moe.inc"
 
 }  // namespace avx2
 
 const KernelTable& avx2_kernels() {
   static const KernelTable table{"avx2", avx2::rms_norm, avx2::silu_mul, avx2::rotary, avx2::attention,
-                                 avx2::linear, avx2::sample, avx2::pack};
+                                 avx2::linear, avx2::sample, avx2::pack, avx2::moe};
   return table;
 }
 

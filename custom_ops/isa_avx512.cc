@@ -31,12 +31,13 @@ constexpr int kInt4Rows = 4, kInt4Panels = 2;
 #include "kern_linear.inc"
 #include "kern_sampling.inc"
 #include "kern_pack.inc"
+#include "kern_moe.inc"
 
 }  // namespace avx512
 
 const KernelTable& avx512_kernels() {
   static const KernelTable table{"avx512", avx512::rms_norm, avx512::silu_mul, avx512::rotary, avx512::attention,
-                                 avx512::linear, avx512::sample, avx512::pack};
+                                 avx512::linear, avx512::sample, avx512::pack, avx512::moe};
   return table;
 }
 

@@ -6,10 +6,10 @@ compiler, no AVX2), the wrappers run the reference implementations after one log
 from fastdeploy.ops.activation import silu_and_mul, silu_and_mul_reference
 from fastdeploy.ops.attention import paged_attention, paged_attention_reference
 from fastdeploy.ops.embedding import embedding_lookup, embedding_lookup_reference
-from fastdeploy.ops.pack_tmp import fused_moe
 from fastdeploy.ops.build import library, runtime_info, set_isa, set_num_threads, share_cores
 from fastdeploy.ops.linear import weight_only_linear, weight_only_linear_reference
 from fastdeploy.ops.memory import keep_freed_memory
+from fastdeploy.ops.moe import fused_moe, fused_moe_reference, grouped_expert_forward, select_experts
 from fastdeploy.ops.norm import rms_norm, rms_norm_reference
 from fastdeploy.ops.pack import pack_into, pack_weight
 from fastdeploy.ops.quant import (FORMATS, PackedWeight, empty_packed, pack_into_reference,
@@ -19,10 +19,10 @@ from fastdeploy.ops.sampling import sample, sample_reference
 
 __all__ = [
     "FORMATS", "PackedWeight", "apply_rotary_", "apply_rotary_reference", "embedding_lookup",
-    "embedding_lookup_reference", "empty_packed", "fused_moe", "keep_freed_memory", "library",
-    "pack_into", "pack_into_reference", "pack_weight", "pack_weight_reference",
+    "embedding_lookup_reference", "empty_packed", "fused_moe", "fused_moe_reference", "grouped_expert_forward",
+    "keep_freed_memory", "library", "pack_into", "pack_into_reference", "pack_weight", "pack_weight_reference",
     "paged_attention", "paged_attention_reference", "rms_norm", "rms_norm_reference", "rotary_cos_sin",
     "rotary_embedding_", "runtime_info", "set_isa", "set_num_threads", "share_cores", "silu_and_mul", "silu_and_mul_reference",
     "unpack_weight", "weight_only_linear", "weight_only_linear_reference",
-    "sample", "sample_reference",
+    "sample", "sample_reference", "select_experts",
 ]
