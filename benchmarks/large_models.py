@@ -139,6 +139,35 @@ def run_child(ckpt: str, fmt: str, workloads: list[str]) -> dict:
     return result
 
 
+def svg_plot(runs: list[dict], path: Path) -> None:
+    """Horizontal grouped bars: decode / W16 / prompt tok/s per model and format, peak RSS as a label."""
+    rows = [(f"{r['model']} {r['layers']}L {fmt}", res) for r in runs for fmt, res in r["results"].items()]
+    metrics = [("decode", "decode_tok_s", "#1f77b4"), ("W16", "output_tok_s", "#ff7f0e"),
+               ("prompt", "prompt_tok_s", "#2ca02c")]
+    values = [res[name][key] for _, res in rows for name, key, _ in metrics if name in res]
+    top = max(values) * 1.05
+    left, width, bar, gap, upper = 230, 420, 11, 14, 30
+    height = upper + len(rows) * (3 * bar + gap) + 40
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 140}" height="{height}" '
+           f'font-family="sans-serif" font-size="12">', f'<rect width="100%" height="100%" fill="white"/>']
+    for i, (name, key, color) in enumerate(metrics):
+        out.append(f'<rect x="{left + 110 * i}" y="8" width="10" height="10" fill="{color}"/>'
+                   f'<text x="{left + 110 * i + 14}" y="17">{name} tok/s</text>')
+    y = upper
+    for label, res in rows:
+        out.append(f'<text x="{left - 8}" y="{y + 1.5 * bar + 4}" text-anchor="end">{label}</text>')
+        for j, (name, key, color) in enumerate(metrics):
+            if name in res:
+                v = res[name][key]
+                out.append(f'<rect x="{left}" y="{y + j * bar}" width="{v / top * width:.1f}" height="{bar - 1}" '
+                           f'fill="{color}"/><text x="{left + v / top * width + 4:.1f}" y="{y + j * bar + 9}" '
+                           f'font-size="10">{v:.1f}</text>')
+        out.append(f'<text x="{left + width + 40}" y="{y + 1.5 * bar + 4}">{res["peak_rss_gib"]:.1f} GiB peak</text>')
+        y += 3 * bar + gap
+    out.append("</svg>")
+    path.write_text("\n".join(out) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(SHAPES), default="ernie-4.5-21b-a3b")
@@ -146,6 +175,7 @@ def main() -> None:
     parser.add_argument("--formats", default="bf16,wint8,wint4")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--json", type=Path, help="append the results here")
+    parser.add_argument("--plot", type=Path, help="draw every run in --json into this SVG")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -186,6 +216,8 @@ def main() -> None:
         old.append({"model": args.model, "layers": layers, "isa": isa(), "bandwidth_gbs": bandwidth,
                     "results": results})
         args.json.write_text(json.dumps(old, indent=2))
+        if args.plot:
+            svg_plot(old, args.plot)
 
 
 if __name__ == "__main__":

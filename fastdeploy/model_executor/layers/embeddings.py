@@ -27,7 +27,7 @@ def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
     return lo, min(lo + per, vocab_size), per
 
 
-def _table(layer: nn.Layer, vocab_size: int, hidden_size: int, tp: TPGroup) -> tuple[PackedParameter, int, int]:
+def _table(vocab_size: int, hidden_size: int, tp: TPGroup) -> tuple[PackedParameter, int, int]:
     """This rank's share of the vocabulary table as a packed [hidden, rows] matrix (rows per rank)."""
     lo, hi, per = vocab_range(vocab_size, tp)
     return PackedParameter(hidden_size, per, role="table"), lo, hi
@@ -51,7 +51,7 @@ class VocabEmbedding(nn.Layer):
         self.tp = tp if tp is not None else current_tp()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.weight, self.lo, self.hi = _table(self, vocab_size, hidden_size, self.tp)
+        self.weight, self.lo, self.hi = _table(vocab_size, hidden_size, self.tp)
         add_slot(self, "weight", WeightSlot(self.weight, [vocab_size, hidden_size], self.weight_loader,
                                             linear_in_out=False, dense=lambda: self.weight.dense().T))
 
@@ -85,7 +85,7 @@ class LMHead(PackedMatmul, nn.Layer):
         if tied_embedding is not None:
             self.weight, self.lo, self.hi = tied_embedding.weight, tied_embedding.lo, tied_embedding.hi
         else:
-            self.weight, self.lo, self.hi = _table(self, vocab_size, hidden_size, self.tp)
+            self.weight, self.lo, self.hi = _table(vocab_size, hidden_size, self.tp)
             add_slot(self, "weight", WeightSlot(self.weight, [hidden_size, vocab_size], self.weight_loader))
 
     def weight_loader(self, slot: WeightSlot, array: Any, shard_id: int | str | None = None) -> None:
