@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/ops_microbench.py                 # everything, 2 threads
     .venv/bin/python benchmarks/ops_microbench.py --only gemv --threads 1 --isa avx2
+    .venv/bin/python benchmarks/ops_microbench.py --only gemv_large --isa avx2   # 21B-A3B shapes, best of 7
 
 GEMV (one token): GB/s of weight bytes streamed, at the ERNIE-4.5-0.3B shapes. Each shape gets enough
 distinct weight copies (>= 256 MB) that every call reads DRAM, not the 32 MB L3, as a real decode step
@@ -71,6 +72,38 @@ def bench_gemv(rng: np.random.Generator) -> None:
         t = timeit(lambda i: paddle.matmul(x, dense_pd[i % len(dense_pd)]), calls=len(dense_pd) * 2)
         cells.append(f"{w.nbytes / t / 1e9:7.1f} ({t * 1e3:5.2f}ms)")
         del dense_pd
+        print(f"{f'{name} {k}x{n}':>22} " + " ".join(f"{c:>17}" for c in cells))
+
+
+# Larger decode GEMVs (ERNIE-4.5-21B-A3B: attention/shared-MLP 2560 x 3072, an expert's 1536 x 2560,
+# the LM head 2560 x 103424), weight-only formats only.
+GEMV_LARGE_SHAPES = [("2560x3072", 2560, 3072), ("1536x2560", 1536, 2560), ("lm_head", 2560, 103424)]
+GEMV_LARGE_FORMATS = ["bf16", "int8", "int4"]
+
+
+def bench_gemv_large(rng: np.random.Generator) -> None:
+    """GB/s of weights read per one-token call, best of 7 rounds (a shared machine's noise only slows
+    rounds down), weights streamed from DRAM (>= 256 MB of distinct copies)."""
+    print("\nGEMV large, T = 1: GB/s of weights read, best of 7 rounds (time per call)")
+    print(f"{'shape':>22} " + " ".join(f"{f:>17}" for f in GEMV_LARGE_FORMATS))
+    for name, k, n in GEMV_LARGE_SHAPES:
+        w = rng.standard_normal((k, n), dtype=np.float32) * 0.02
+        x = paddle.to_tensor(rng.standard_normal((1, k), dtype=np.float32))
+        cells = []
+        for fmt in GEMV_LARGE_FORMATS:
+            packed = ops.pack_weight(w, fmt)
+            reps = [packed] + [ops.PackedWeight(fmt, k, n, packed.data.clone(), packed.scales.clone())
+                               for _ in range(copies_for(packed.nbytes) - 1)]
+            calls = max(8, len(reps) * 2)
+            ops.weight_only_linear(x, reps[0])
+            best = float("inf")
+            for _ in range(7):
+                start = time.perf_counter()
+                for i in range(calls):
+                    ops.weight_only_linear(x, reps[i % len(reps)])
+                best = min(best, (time.perf_counter() - start) / calls)
+            cells.append(f"{packed.nbytes / best / 1e9:7.1f} ({best * 1e3:5.2f}ms)")
+            del reps, packed
         print(f"{f'{name} {k}x{n}':>22} " + " ".join(f"{c:>17}" for c in cells))
 
 
@@ -228,7 +261,7 @@ def bench_pack(rng: np.random.Generator) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="gemv,gemm,accuracy,attention,elementwise,step,pack")
+    parser.add_argument("--only", default="gemv,gemv_large,gemm,accuracy,attention,elementwise,step,pack")
     parser.add_argument("--threads", type=int, default=0, help="0: one per core")
     parser.add_argument("--isa", default="best", choices=["best", "avx512", "avx2"])
     args = parser.parse_args()
@@ -238,7 +271,7 @@ def main() -> None:
     ops.set_isa(args.isa)
     print("compiled ops:", ops.runtime_info())
     rng = np.random.default_rng(0)
-    benches = {"gemv": bench_gemv, "gemm": bench_gemm, "accuracy": int8_accuracy, "attention": bench_attention,
+    benches = {"gemv": bench_gemv, "gemv_large": bench_gemv_large, "gemm": bench_gemm, "accuracy": int8_accuracy, "attention": bench_attention,
                "elementwise": bench_elementwise, "step": bench_model_step, "pack": bench_pack}
     for name in args.only.split(","):
         benches[name](rng)

@@ -109,6 +109,14 @@ FD_INLINE VI dot_u8s8(VI acc, VB w, VX x) { return {_mm512_dpbusd_epi32(acc.v, w
 // int8 weights are stored with +128: the dot then counts 128 * sum(x) too, which callers subtract.
 constexpr int kInt8Zero = 128;
 FD_INLINE VI dot_int8(VI acc, VB w, VX x) { return dot_u8s8(acc, w, x); }
+// Partial sums of one 32-k activation block against int4 weights (nibbles 0..15): pstart(init), at
+// most kNibDots dot_nib calls, then pfinish gives init + the exact int32 dot products. VNNI
+// accumulates in int32 directly.
+constexpr int kNibDots = 8;
+struct VP { __m512i v; };
+FD_INLINE VP pstart(VI init) { return {init.v}; }
+FD_INLINE VP dot_nib(VP acc, VB w, VX x) { return {_mm512_dpbusd_epi32(acc.v, w.v, x.v)}; }
+FD_INLINE VI pfinish(VP acc, VI) { return {acc.v}; }
 
 #else  // AVX2 + FMA
 
@@ -240,6 +248,10 @@ FD_INLINE VX xbcast(const int8_t* p) {
   std::memcpy(&w, p, 4);
   return {_mm256_set1_epi32(w)};
 }
+// An empty asm that makes an accumulator opaque: GCC then adds the products into it one after the
+// other, as written, instead of reassociating the integer sums into trees whose many partial
+// results spill to the stack (16 ymm registers). Values and bits are unchanged.
+FD_INLINE void keep_chain(__m256i& a, __m256i& b) { __asm__("" : "+x"(a), "+x"(b)); }
 // Only for weights <= 15 (int4): u8 x s8 pair sums then fit int16 without saturation.
 FD_INLINE VI dot_u8s8(VI acc, VB w, VX x) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -257,7 +269,27 @@ FD_INLINE VI dot_int8(VI acc, VB w, VX x) {
   __m256i wh = _mm256_sign_epi8(_mm256_xor_si256(w.hi, flip), x.v);
   __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wl), ones);
   __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wh), ones);
-  return {_mm256_add_epi32(acc.lo, lo), _mm256_add_epi32(acc.hi, hi)};
+  VI r{_mm256_add_epi32(acc.lo, lo), _mm256_add_epi32(acc.hi, hi)};
+  keep_chain(r.lo, r.hi);
+  return r;
+}
+// Partial sums of one 32-k activation block against int4 weights (nibbles 0..15), kept in int16 and
+// widened once in pfinish (one vpmaddwd per 32 k instead of one per 4 k). A vpmaddubsw lane is
+// u0 x0 + u1 x1 with u <= 15, |x| <= 128: |.| <= 3840, so kNibDots = 8 of them sum to at most 30720,
+// within int16 (no saturation, no wrap): the same exact integers as dot_u8s8, so the same bits.
+constexpr int kNibDots = 8;
+struct VP { __m256i lo, hi; };  // 16 x int16 each
+FD_INLINE VP pstart(VI) { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+FD_INLINE VP dot_nib(VP acc, VB w, VX x) {
+  VP r{_mm256_add_epi16(acc.lo, _mm256_maddubs_epi16(w.lo, x.v)),
+       _mm256_add_epi16(acc.hi, _mm256_maddubs_epi16(w.hi, x.v))};
+  keep_chain(r.lo, r.hi);
+  return r;
+}
+FD_INLINE VI pfinish(VP acc, VI init) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(init.lo, _mm256_madd_epi16(acc.lo, ones)),
+          _mm256_add_epi32(init.hi, _mm256_madd_epi16(acc.hi, ones))};
 }
 
 #endif
