@@ -151,7 +151,8 @@ def plan_loading(model: nn.Layer, checkpoint: Checkpoint) -> LoadPlan:
         param = params[t.param_name]
         if isinstance(param, WeightSlot):
             param.target.stored_kinds.add(checkpoint.kind(t.checkpoint_name))
-    targets.sort(key=lambda t: (checkpoint.tensors[t.checkpoint_name].file, checkpoint.tensors[t.checkpoint_name].offset))
+    where = {t.checkpoint_name: checkpoint.tensors[t.checkpoint_name] for t in targets}
+    targets.sort(key=lambda t: (where[t.checkpoint_name].file, where[t.checkpoint_name].offset))
     return LoadPlan(targets, params, layout, in_out)
 
 

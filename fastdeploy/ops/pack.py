@@ -17,8 +17,8 @@ import numpy as np
 import paddle
 
 from fastdeploy.ops import build
-from fastdeploy.ops.quant import (FORMATS, SRC_DTYPES, PackedWeight, as_matrix, check_fmt, check_pack_args, empty_packed,
-                                   pack_into_reference)
+from fastdeploy.ops.quant import (FORMATS, SRC_DTYPES, PackedWeight, as_matrix, check_fmt, check_pack_args,
+                                   empty_packed, pack_into_reference)
 
 _c_int64 = ctypes.c_int64
 _functions: dict[str, Callable[..., int]] = {}  # library path -> its fd_pack_columns

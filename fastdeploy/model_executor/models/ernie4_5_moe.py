@@ -70,8 +70,9 @@ class ErnieMoeSettings:
 
 def ernie_moe_mlp(config: ModelConfig, moe: ErnieMoeSettings) -> SparseMoE:
     """Routed experts plus the shared experts' MLP (moe_intermediate_size x moe_num_shared_experts)."""
-    return SparseMoE(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, norm_min=moe.norm_min,
-                     hidden_act=config.hidden_act, shared_intermediate_size=moe.intermediate_size * moe.num_shared_experts,
+    return SparseMoE(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
+                     norm_min=moe.norm_min, hidden_act=config.hidden_act,
+                     shared_intermediate_size=moe.intermediate_size * moe.num_shared_experts,
                      shared_bias=config.use_bias)
 
 
