@@ -48,6 +48,14 @@ def copies_for(nbytes: int) -> int:
     return max(1, -(-256 * 2**20 // nbytes))
 
 
+def packed_copies(w: np.ndarray, fmt: str) -> tuple[ops.PackedWeight, list[ops.PackedWeight]]:
+    """W packed, and enough distinct copies of it that calls cycling through them read from DRAM."""
+    packed = ops.pack_weight(w, fmt)
+    k, n = w.shape
+    return packed, [packed] + [ops.PackedWeight(fmt, k, n, packed.data.clone(), packed.scales.clone())
+                               for _ in range(copies_for(packed.nbytes) - 1)]
+
+
 def bench_gemv(rng: np.random.Generator) -> None:
     print("\nGEMV, T = 1: GB/s of weights read (time per call)")
     header = f"{'shape':>22} " + " ".join(f"{f:>17}" for f in FORMATS) + f" {'numpy fp32':>17} {'paddle fp32':>17}"
@@ -57,9 +65,7 @@ def bench_gemv(rng: np.random.Generator) -> None:
         x = paddle.to_tensor(rng.standard_normal((1, k), dtype=np.float32))
         cells = []
         for fmt in FORMATS:
-            packed = ops.pack_weight(w, fmt)
-            reps = [packed] + [ops.PackedWeight(fmt, k, n, packed.data.clone(), packed.scales.clone())
-                               for _ in range(copies_for(packed.nbytes) - 1)]
+            packed, reps = packed_copies(w, fmt)
             t = timeit(lambda i: ops.weight_only_linear(x, reps[i % len(reps)]), calls=len(reps) * 2)
             cells.append(f"{packed.nbytes / t / 1e9:7.1f} ({t * 1e3:5.2f}ms)")
             del reps, packed
@@ -91,9 +97,7 @@ def bench_gemv_large(rng: np.random.Generator) -> None:
         x = paddle.to_tensor(rng.standard_normal((1, k), dtype=np.float32))
         cells = []
         for fmt in GEMV_LARGE_FORMATS:
-            packed = ops.pack_weight(w, fmt)
-            reps = [packed] + [ops.PackedWeight(fmt, k, n, packed.data.clone(), packed.scales.clone())
-                               for _ in range(copies_for(packed.nbytes) - 1)]
+            packed, reps = packed_copies(w, fmt)
             calls = max(8, len(reps) * 2)
             ops.weight_only_linear(x, reps[0])
             best = float("inf")

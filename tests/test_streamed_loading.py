@@ -70,6 +70,7 @@ def test_model_too_large_is_refused_before_allocating() -> None:
     assert all(w.value is None for w in weights)
     with Checkpoint(config.model_path) as ckpt:
         load_weights(model, ckpt, "wint4", available_bytes=budget)  # fits
+    assert sum(w.value.nbytes for w in weights) == need["wint4"]  # the plan's estimate is exact
     assert {w.value.fmt for w in weights} == {"int4", "int8", "fp32"}  # layers, vocabulary table, f32 router
     with Checkpoint(config.model_path) as ckpt, pytest.raises(ValueError, match="no supported quantization fits"):
         load_weights(build("ernie45_moe_tiny_hf")[1], ckpt, "wint4", available_bytes=RUNTIME_BYTES)

@@ -22,7 +22,7 @@ import numpy as np
 from paddle import nn
 
 from fastdeploy import ops
-from fastdeploy.ops.quant import ACT_BLOCK, INT4_GROUP, PANEL, PackedWeight
+from fastdeploy.ops.quant import PackedWeight, packed_shapes
 
 QUANTIZED_FORMATS = {"wint8": "int8", "wint4": "int4"}
 ROLES = ("linear", "router", "table")  # table: the embedding / LM head matrix
@@ -47,14 +47,9 @@ class PackedParameter:
 
     def nbytes_for(self, fmt: str) -> int:
         """Bytes the packed weight will take in `fmt` (computed, nothing allocated)."""
-        cols = -(-self.n // PANEL) * PANEL
-        if fmt in ("fp32", "bf16"):
-            size = cols * self.k * (4 if fmt == "fp32" else 2)
-        elif fmt == "int8":
-            size = cols * -(-self.k // ACT_BLOCK) * ACT_BLOCK + cols * 4
-        else:
-            groups = -(-self.k // INT4_GROUP)
-            size = cols * groups * INT4_GROUP // 2 + cols * groups * 4
+        data, dtype, scales = packed_shapes(fmt, self.k, self.n)
+        size = int(np.prod(data)) * {"float32": 4, "bfloat16": 2}.get(dtype, 1)
+        size += int(np.prod(scales)) * 4 if scales is not None else 0
         return size * max(self.experts, 1)
 
     def allocate(self, fmt: str) -> None:
