@@ -6,19 +6,21 @@ from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestMetrics, RequestStatus
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
+from fastdeploy.worker.step_types import ModelRunnerOutput
 
 
 def make_request(tokens, rid="r"):
-    return Request(request_id=rid, index=0, prompt=None, prompt_token_ids=list(tokens),
-                   params=SamplingParams(), max_tokens=8, eos_token_ids=frozenset(),
+    return Request(request_id=rid, prompt_token_ids=list(tokens),
+                   params=SamplingParams().with_model_defaults({}), max_tokens=8, eos_token_ids=frozenset(),
                    generator=np.random.default_rng(0), metrics=RequestMetrics(arrival_time=0.0))
 
 
 def run_prefill(bm, request):
+    """What the scheduler and a step do for a whole prompt: adopt the prefix hits, compute the rest."""
     hits = bm.match_prefix(request)
     num_new = request.num_tokens - len(hits) * bm.block_size
     assert bm.allocate(request, num_new, hits)
-    request.num_computed_tokens += num_new
+    request.num_computed_tokens += len(hits) * bm.block_size + num_new
     bm.cache_full_blocks(request)
     return hits
 
@@ -27,21 +29,21 @@ def test_allocation_covers_tokens_and_release_returns_blocks():
     bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
     r = make_request(range(9))
     assert bm.allocate(r, 9)
-    assert len(r.block_table) == 3 and bm.num_free_blocks == 7
+    assert len(bm.block_table("r")) == 3 and bm.num_free_blocks == 7
     r.num_computed_tokens = 9
     assert bm.allocate(r, 3)  # 12 tokens still fit in 3 blocks
-    assert len(r.block_table) == 3
+    assert len(bm.block_table("r")) == 3
     assert bm.allocate(r, 4)  # 13 tokens need a 4th
-    assert len(r.block_table) == 4
-    bm.release(r)
-    assert bm.num_free_blocks == 10 and r.block_table == [] and r.num_computed_tokens == 0
+    assert len(bm.block_table("r")) == 4
+    bm.release("r")
+    assert bm.num_free_blocks == 10 and bm.block_table("r") == []
 
 
 def test_allocation_fails_without_side_effects():
     bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
     r = make_request(range(12))
     assert not bm.allocate(r, 12)
-    assert r.block_table == [] and bm.num_free_blocks == 2
+    assert bm.block_table("r") == [] and bm.num_free_blocks == 2
 
 
 def test_prefix_hit_reuses_full_blocks_and_leaves_one_token():
@@ -50,11 +52,21 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_one_token():
     assert run_prefill(bm, a) == []
     b = make_request(list(range(9)) + [99], "b")  # shares 9 tokens = 2 full blocks
     hits = run_prefill(bm, b)
-    assert hits == a.block_table[:2]
-    assert b.num_cached_tokens == 8
+    assert hits == bm.block_table("a")[:2]
     # A prompt made only of cached full blocks keeps its last block to compute.
     c = make_request(list(range(8)), "c")
-    assert bm.match_prefix(c) == a.block_table[:1]
+    assert bm.match_prefix(c) == bm.block_table("a")[:1]
+
+
+def test_scheduler_counts_a_prefix_hit_as_cached_and_computed():
+    sched = scheduler_with(num_blocks=16, caching=True)
+    sched.add(make_request(list(range(10)), "a"))
+    complete_step(sched, sched.schedule())
+    b = make_request(list(range(9)) + [99], "b")  # shares 9 tokens = 2 full blocks
+    sched.add(b)
+    step = sched.schedule()
+    assert step.requests[-1] is b and step.num_new_tokens[-1] == 2
+    assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
 
 
 def test_prefix_chain_depends_on_whole_prefix():
@@ -68,7 +80,7 @@ def test_freed_cached_blocks_survive_until_needed_then_get_evicted():
     bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=True)
     a = make_request(list(range(9)), "a")
     run_prefill(bm, a)
-    bm.release(a)
+    bm.release("a")
     again = make_request(list(range(9)), "a2")
     assert len(bm.match_prefix(again)) == 2  # still cached after release
     other = make_request([50 + i for i in range(12)], "o")
@@ -82,9 +94,9 @@ def test_shared_block_is_not_freed_while_referenced():
     run_prefill(bm, a)
     b = make_request(list(range(9)), "b")
     run_prefill(bm, b)
-    shared = a.block_table[0]
-    assert b.block_table[0] == shared and bm.blocks[shared].ref_count == 2
-    bm.release(a)
+    shared = bm.block_table("a")[0]
+    assert bm.block_table("b")[0] == shared and bm.blocks[shared].ref_count == 2
+    bm.release("a")
     assert bm.blocks[shared].ref_count == 1 and shared not in bm.free
 
 
@@ -92,11 +104,9 @@ def scheduler_with(num_blocks, block_size=4, max_num_seqs=4, budget=64, chunked=
     return Scheduler(BlockManager(num_blocks, block_size, caching), max_num_seqs, budget, chunked)
 
 
-def complete_step(sched, batch):
-    for r, n in zip(batch.requests, batch.num_new_tokens):
-        r.num_computed_tokens += n
-        if r.num_computed_tokens == r.num_tokens:
-            r.token_ids.append(7)  # a generated token
+def complete_step(sched, step):
+    """The runner's part: every request that catches up with its tokens gets a generated token 7."""
+    sched.update_from_output(step, ModelRunnerOutput(np.full(len(step.samplers), 7, dtype=np.int64)))
 
 
 def test_budget_and_max_num_seqs():
@@ -141,9 +151,10 @@ def test_preemption_frees_newest_request_and_it_resumes():
     complete_step(sched, sched.schedule())  # both prefilled, each with a 9th (generated) token
     batch = sched.schedule()  # a needs a 3rd block: b (newest) is preempted
     assert batch.requests == [a] and sched.num_preemptions == 1
-    assert b.status is RequestStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert b.status is RequestStatus.WAITING and sched.block_manager.block_table("b") == []
+    assert b.num_computed_tokens == 0
     assert b.token_ids[-1] == 7  # its generated token is kept for recompute
-    sched.finish(a)
+    sched.finish_request(a, "stop")
     batch = sched.schedule()
     assert batch.requests == [b] and batch.num_new_tokens == [9]
 
@@ -159,12 +170,11 @@ def test_scheduler_never_exceeds_pool(caching):
         if not sched.has_unfinished():
             break
         batch = sched.schedule()
-        assert batch.total_tokens <= 16 and len(sched.running) <= 4
+        assert sum(batch.num_new_tokens) <= 16 and len(sched.running) <= 4
         used = sum(1 for blk in sched.block_manager.blocks if blk.ref_count > 0)
         assert used <= 12
         complete_step(sched, batch)
         for r in list(sched.running):
             if r.num_output_tokens >= 6:
-                sched.finish(r)
-                r.status = RequestStatus.FINISHED
+                sched.finish_request(r, "stop")
     assert not sched.has_unfinished()

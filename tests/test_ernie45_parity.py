@@ -14,7 +14,7 @@ import paddle
 import pytest
 from safetensors.numpy import save_file
 
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
 from fastdeploy.model_executor.load import Checkpoint, load_model
 

@@ -15,7 +15,7 @@ import paddle
 import pytest
 from safetensors.numpy import save_file
 
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.layers.moe import SparseMoE
 from fastdeploy.model_executor.load import Checkpoint, load_model
 from fastdeploy.model_executor.models.ernie4_5_moe import ErnieMoeSettings

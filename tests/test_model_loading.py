@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.load import Checkpoint, load_model, read_safetensors_header
 from fastdeploy.model_executor.models.registry import get_model_class, supported_architectures
 from fastdeploy.model_executor.weight_format import named_weights

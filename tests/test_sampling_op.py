@@ -25,7 +25,10 @@ import pytest
 
 from fastdeploy import ops
 from fastdeploy.model_executor.layers import sampler as sampler_mod
-from fastdeploy.model_executor.layers.sampler import Sampler, SamplingBatch, pack_token_ids
+from fastdeploy.model_executor.layers.sampler import Sampler
+from fastdeploy.ops import sampling as sampling_mod
+from fastdeploy.ops.sampling import pack_token_ids
+from fastdeploy.ops.sampling_reference import SamplingBatch
 from fastdeploy.ops import build
 
 LIB = build.library()
@@ -96,7 +99,7 @@ def random_batch(rng: np.random.Generator, rows: int, vocab: int) -> tuple[np.nd
     batch = SamplingBatch.from_lists(rows, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                      repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
                                      prompt_token_ids=prompts, output_token_ids=outputs, banned_token_ids=banned,
-                                     generators=[None] * rows)
+                                     uniforms=[0.0] * rows)
     uniforms = rng.random(rows)
     uniforms[: min(rows, 2)] = [0.0, np.nextafter(1.0, 0.0)][: min(rows, 2)]
     return logits, batch, uniforms
@@ -197,20 +200,20 @@ def test_each_filter_alone_and_combined(vocab, filters):
     rng = np.random.default_rng(vocab + len(filters))
     rows = 8
     logits = np.stack([random_logits(rng, vocab, style) for style in ("flat", "peaked", "ties", "masked") * 2])
-    batch = SamplingBatch.from_lists(rows, temperature=[0.7, 1.0] * 4, generators=[None] * rows, **filters)
+    batch = SamplingBatch.from_lists(rows, temperature=[0.7, 1.0] * 4, uniforms=[0.0] * rows, **filters)
     assert_matches_reference(logits, batch, rng.random(rows))
 
 
 def test_ties_at_the_cut_are_kept():
     x = np.array([[5, 4, 4, 4, 3, 2, 4, 1]] * 2, dtype=np.float32)
-    batch = SamplingBatch.from_lists(2, top_k=[2, 6], generators=[None] * 2)
+    batch = SamplingBatch.from_lists(2, top_k=[2, 6], uniforms=[0.0] * 2)
     args = op_args(batch, np.array([0.5, 0.5]), 8)
     _, tau = ops.sample(x, return_thresholds=True, **args)
     np.testing.assert_array_equal(tau, [4, 3])  # 2nd largest: 4, all four 4s stay; 6th: 3
     assert_matches_reference(x, batch, np.linspace(0, 0.999, 2))
     # every kept token is reachable, in token order: sweep the uniforms over one row
     u = np.linspace(0, 1, 64, endpoint=False)
-    sweep = SamplingBatch.from_lists(64, top_k=2, generators=[None] * 64)
+    sweep = SamplingBatch.from_lists(64, top_k=2, uniforms=[0.0] * 64)
     tokens = ops.sample(np.repeat(x[:1], 64, axis=0), **op_args(sweep, u, 8))
     assert set(tokens.tolist()) == {0, 1, 2, 3, 6} and (np.diff(tokens) >= 0).all()
 
@@ -220,9 +223,9 @@ def test_all_but_one_banned_and_vocab_of_one():
     logits = np.random.default_rng(0).normal(0, 1, (3, vocab)).astype(np.float32)
     banned = [[t for t in range(vocab) if t != 1234]] * 3
     batch = SamplingBatch.from_lists(3, temperature=[0.0, 0.7, 1.5], top_p=[1.0, 0.5, 1.0], top_k=[0, 0, 10],
-                                     banned_token_ids=banned, generators=[None] * 3)
+                                     banned_token_ids=banned, uniforms=[0.0] * 3)
     np.testing.assert_array_equal(ops.sample(logits, **op_args(batch, np.array([0.0, 0.3, 0.999]), vocab)), 1234)
-    one = SamplingBatch.from_lists(2, temperature=[0.0, 1.0], top_p=0.5, generators=[None] * 2)
+    one = SamplingBatch.from_lists(2, temperature=[0.0, 1.0], top_p=0.5, uniforms=[0.0] * 2)
     np.testing.assert_array_equal(ops.sample(np.ones((2, 1), np.float32), **op_args(one, np.array([0, 0.9]), 1)), 0)
 
 
@@ -236,7 +239,7 @@ def test_penalties_match_their_definitions():
                                      frequency_penalty=rng.uniform(-1, 1, rows), presence_penalty=rng.uniform(-1, 1, rows),
                                      prompt_token_ids=prompts, output_token_ids=outputs,
                                      banned_token_ids=[[int(np.argmax(logits[r]))] for r in range(rows)],
-                                     generators=[None] * rows)
+                                     uniforms=[0.0] * rows)
     expected = [int(np.argmax(scaled_logits(logits, batch, r, scale=False))) for r in range(rows)]
     np.testing.assert_array_equal(ops.sample(logits, **op_args(batch, np.zeros(rows), vocab)), expected)
 
@@ -249,11 +252,11 @@ def test_rows_without_a_finite_maximum():
     for bad in (1, 2, 3):
         temperature = np.zeros(4)
         temperature[bad] = 1.0
-        batch = SamplingBatch.from_lists(4, temperature=temperature, generators=[None] * 4)
+        batch = SamplingBatch.from_lists(4, temperature=temperature, uniforms=[0.0] * 4)
         with pytest.raises(ValueError, match=f"logits of row {bad} are all -inf or hold NaN/inf"):
             ops.sample(logits, **op_args(batch, np.full(4, 0.5), 50))
     # greedy rows take numpy's argmax: the first NaN, the first +inf, index 0 of an all -inf row
-    greedy = SamplingBatch.from_lists(4, temperature=0.0, generators=[None] * 4)
+    greedy = SamplingBatch.from_lists(4, temperature=0.0, uniforms=[0.0] * 4)
     np.testing.assert_array_equal(ops.sample(logits, **op_args(greedy, np.zeros(4), 50)), logits.argmax(axis=1))
 
 
@@ -290,7 +293,7 @@ def test_logits_are_left_unchanged():
 
 
 def test_wrapper_rejects_bad_arguments():
-    batch = SamplingBatch.from_lists(2, banned_token_ids=[[1], [2, 3]], generators=[None] * 2)
+    batch = SamplingBatch.from_lists(2, banned_token_ids=[[1], [2, 3]], uniforms=[0.0] * 2)
     args = op_args(batch, np.array([0.1, 0.2]), 10)
     logits = np.zeros((2, 10), np.float32)
     with pytest.raises(TypeError, match="float32"):
@@ -308,7 +311,7 @@ def test_wrapper_rejects_bad_arguments():
     with pytest.raises(ValueError, match="temperature"):  # only greedy rows may have temperature 0
         ops.sample(logits, **{**args, "temperature": np.array([1.0, 0.0])})
     with pytest.raises(ValueError, match="banned_token_ids"):
-        pack_token_ids(SamplingBatch.from_lists(1, banned_token_ids=[[10]], generators=[None]), 10)
+        pack_token_ids(SamplingBatch.from_lists(1, banned_token_ids=[[10]], uniforms=[0.0]), 10)
 
 
 def test_falls_back_to_the_reference_without_the_library(monkeypatch):
@@ -325,13 +328,13 @@ def test_falls_back_to_the_reference_without_the_library(monkeypatch):
 
 def test_sampler_runs_the_compiled_op_by_default_and_both_paths_agree(monkeypatch):
     calls = []
-    compiled = ops.sample
-    monkeypatch.setattr(ops, "sample", lambda *a, **k: calls.append(1) or compiled(*a, **k))
+    compiled = sampling_mod._run
+    monkeypatch.setattr(sampling_mod, "_run", lambda *a, **k: calls.append(1) or compiled(*a, **k))
     rng = np.random.default_rng(5)
     logits, batch, _ = random_batch(rng, 32, 2003)
+    batch.uniforms = np.random.default_rng(100).random(32)
 
     def run(use_compiled: bool) -> np.ndarray:
-        batch.generators = [np.random.default_rng(100 + i) for i in range(32)]
         return Sampler(use_compiled)(paddle.to_tensor(logits), batch)
 
     fast = run(True)
@@ -343,7 +346,7 @@ def test_sampler_runs_the_compiled_op_by_default_and_both_paths_agree(monkeypatc
 
 def test_pack_token_ids_takes_lists_or_arrays():
     lists = dict(banned_token_ids=[[3], []], prompt_token_ids=[[1, 2, 2], [4]], output_token_ids=[[5], [6, 6]])
-    kwargs = dict(repetition_penalty=[1.2, 1.0], frequency_penalty=[0.0, 0.5], generators=[None] * 2)
+    kwargs = dict(repetition_penalty=[1.2, 1.0], frequency_penalty=[0.0, 0.5], uniforms=[0.0] * 2)
     ids, offsets = pack_token_ids(SamplingBatch.from_lists(2, **lists, **kwargs), 10)
     np.testing.assert_array_equal(ids, [3, 1, 2, 2, 5, 6, 6])  # row 1 has no repetition penalty: no prompt
     np.testing.assert_array_equal(offsets, [0, 1, 4, 5, 5, 5, 7])

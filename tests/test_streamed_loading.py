@@ -13,7 +13,7 @@ import pytest
 
 from fastdeploy import ops
 from fastdeploy.distributed.parallel_state import TPGroup
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.layers.packed import named_slots, packed_parameters
 from fastdeploy.model_executor.load import Checkpoint, load_model, load_weights, plan_loading
 from fastdeploy.model_executor.memory_plan import RUNTIME_BYTES, weights_bytes
@@ -90,7 +90,7 @@ def test_tensor_parallel_ranks_count_all_ranks_weights() -> None:
 RSS_SCRIPT = """
 import json, resource, sys
 from fastdeploy import ops
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.weight_format import weight_bytes
 ops.library()  # build/register the compiled ops before measuring

@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 from conftest import FIXTURES, REFERENCE
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.distributed.parallel_state import TPGroup
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor import load as load_module
 from fastdeploy.model_executor.load import Checkpoint, load_model
 from fastdeploy.model_executor.weight_format import named_weights

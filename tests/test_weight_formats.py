@@ -8,7 +8,7 @@ import pytest
 
 from conftest import FIXTURES, TINY_HF
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.layers.packed import named_slots
 from fastdeploy.model_executor.load import Checkpoint, load_model
 from fastdeploy.model_executor.weight_format import named_weights, weight_bytes

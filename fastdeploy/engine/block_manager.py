@@ -7,6 +7,7 @@ allocator needs them again; eviction takes the least recently freed first.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastdeploy.engine.request import Request
@@ -24,12 +25,16 @@ def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
 
 
 class BlockManager:
+    """Owns the pool and each request's block table (by request id); hashes live on the blocks."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self._tables: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks of each table that carry their hash
 
     @property
     def num_free_blocks(self) -> int:
@@ -38,10 +43,13 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
     def match_prefix(self, request: Request) -> list[int]:
         """Ids of cached blocks holding a prefix of the request's tokens. At least one token is
         always left to compute, because the step that computes it also yields the next logits."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return []  # prompt logprobs need every prompt position computed
         hits: list[int] = []
         parent = None
@@ -55,22 +63,24 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate(self, request: Request, num_new_tokens: int, prefix_hits: list[int] = ()) -> bool:
-        """Give the request blocks for num_new_tokens more tokens (after adopting prefix hits,
-        when it has none yet). False, with nothing changed, if the pool is too small."""
-        hits = [b for b in prefix_hits if self.blocks[b].ref_count == 0]
+    def allocate(self, request: Request, num_new_tokens: int, prefix_hits: Sequence[int] = ()) -> bool:
+        """Give the request blocks for num_new_tokens more tokens after its computed ones and the
+        prefix hits it adopts (when it has no blocks yet). False, with nothing changed, if the pool is
+        too small."""
+        table = self._tables.setdefault(request.request_id, [])
+        revived = [b for b in prefix_hits if self.blocks[b].ref_count == 0]
         num_target = request.num_computed_tokens + len(prefix_hits) * self.block_size + num_new_tokens
-        num_new_blocks = self.blocks_needed(num_target) - len(request.block_table) - len(prefix_hits)
+        num_new_blocks = self.blocks_needed(num_target) - len(table) - len(prefix_hits)
         # Reviving an unreferenced cached block takes it out of the free list too.
-        if num_new_blocks + len(hits) > len(self.free):
+        if num_new_blocks + len(revived) > len(self.free):
+            if not table:
+                del self._tables[request.request_id]
             return False
         for block_id in prefix_hits:
             self._take(block_id)
-            request.block_table.append(block_id)
-            request.block_hashes.append(self.blocks[block_id].block_hash)
+            table.append(block_id)
         if prefix_hits:
-            request.num_computed_tokens += len(prefix_hits) * self.block_size
-            request.num_cached_tokens = len(prefix_hits) * self.block_size
+            self._num_hashed[request.request_id] = len(prefix_hits)
         for _ in range(max(num_new_blocks, 0)):
             block_id = next(iter(self.free))
             block = self.blocks[block_id]
@@ -79,7 +89,7 @@ class BlockManager:
                     del self.cached[block.block_hash]
                 block.block_hash = None
             self._take(block_id)
-            request.block_table.append(block_id)
+            table.append(block_id)
         return True
 
     def _take(self, block_id: int) -> None:
@@ -92,28 +102,26 @@ class BlockManager:
         """Register the request's newly completed blocks (their K/V are computed) for reuse."""
         if not self.enable_prefix_caching:
             return
+        table = self._tables[request.request_id]
         num_full = request.num_computed_tokens // self.block_size
-        parent = request.block_hashes[-1] if request.block_hashes else None
-        for i in range(len(request.block_hashes), num_full):
+        done = self._num_hashed.get(request.request_id, 0)
+        parent = self.blocks[table[done - 1]].block_hash if done else None
+        for i in range(done, num_full):
             tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
             parent = chain_hash(parent, tokens)
-            request.block_hashes.append(parent)
-            block = self.blocks[request.block_table[i]]
+            block = self.blocks[table[i]]
             if block.block_hash is None:
                 block.block_hash = parent
                 self.cached.setdefault(parent, block.block_id)
+        self._num_hashed[request.request_id] = max(done, num_full)
 
-    def release(self, request: Request) -> None:
+    def release(self, request_id: str) -> None:
         """Drop the request's blocks; tail blocks go first in line for eviction."""
-        for block_id in reversed(request.block_table):
+        for block_id in reversed(self._tables.pop(request_id, [])):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                self.free[block_id] = None
                 if block.block_hash is None:
-                    self.free[block_id] = None
                     self.free.move_to_end(block_id, last=False)  # no contents worth keeping
-                else:
-                    self.free[block_id] = None
-        request.block_table.clear()
-        request.block_hashes.clear()
-        request.num_computed_tokens = 0
+        self._num_hashed.pop(request_id, None)

@@ -1,26 +1,28 @@
-"""LLMEngine: turns prompts into Requests, steps the scheduler and the runner, and decides when
-each request is finished."""
+"""LLMEngine: turns prompts into Requests and steps them: scheduler -> runner -> scheduler update ->
+output processor. `add_request` and `abort_request` may be called from other threads while one
+thread steps; they take effect at the next step boundary."""
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from collections import deque
 
 import numpy as np
 
 from fastdeploy.engine.block_manager import BlockManager
-from fastdeploy.engine.config import EngineConfig
+from fastdeploy.config import EngineConfig
 from fastdeploy.engine.request import Request, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
+from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.output.output_processor import OutputProcessor
-from fastdeploy.reasoning.parsers import THINK_END, get_reasoning_parser
+from fastdeploy.reasoning.parsers import get_reasoning_parser
 from fastdeploy.worker.model_runner import ModelRunner
+from fastdeploy.worker.step_types import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
-
-FORCED_THINK_END = "\n" + THINK_END + "\n\n"  # what ends a thinking part cut by reasoning_max_tokens
 
 
 class LLMEngine:
@@ -38,6 +40,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = mc.vocab_size
         self._ids = itertools.count()
+        # Filled from any thread, drained by the stepping thread (deque appends and pops are atomic).
+        self._incoming: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
         if config.use_warmup:
             self.runner.warmup()
 
@@ -51,12 +56,11 @@ class LLMEngine:
         params = params.with_model_defaults(self.config.model_config.generation_defaults)
         seed = [params.seed, sample] if params.seed is not None else [self.config.seed, number]
         request = Request(
-            request_id=str(number), index=index, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
-            params=params, max_tokens=0, eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            generator=np.random.default_rng(seed), metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
+            request_id=str(number), prompt_token_ids=list(prompt_token_ids), params=params, max_tokens=0,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids, generator=np.random.default_rng(seed), metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
         if params.reasoning_max_tokens is not None and self.output_processor.reasoning_parser is None:
             raise ValueError("reasoning_max_tokens needs a thinking model run with reasoning_parser set on the LLM")
-        self.output_processor.start(request, enable_thinking)
+        self.output_processor.start(request, prompt, index, enable_thinking)
         error = self._validate(request)
         if error:
             request.error_code, request.error_msg = 400, error
@@ -68,8 +72,6 @@ class LLMEngine:
         request.bad_words += [(t,) for t in params.bad_words_token_ids or ()]
         if self.config.enable_prefix_caching and params.prompt_logprobs is None:
             request.prefix_leader = leader
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
         return request
 
     def _room(self, request: Request) -> int:
@@ -99,69 +101,64 @@ class LLMEngine:
         return None
 
     def add_request(self, request: Request) -> None:
+        """Queue a request (from any thread); a request rejected by make_request is already finished."""
         if not request.is_finished:
-            self.scheduler.add(request)
+            self._incoming.append(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a queued or running request (from any thread): at the next step boundary it finishes
+        with finish_reason "abort", its blocks freed, and that step returns it."""
+        self._aborts.append(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._incoming) or self.scheduler.has_unfinished()
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one scheduler + model step; return the requests that got a new token in it."""
-        batch = self.scheduler.schedule()
-        if not batch.requests:
+        """Run one scheduler + model step; return the requests that got a new token in it or were
+        aborted before it."""
+        aborted = self._take_inbox()
+        step = self.scheduler.schedule()
+        if not step.requests:
+            if aborted or not self.scheduler.has_unfinished():
+                return aborted
             raise RuntimeError("scheduler made no progress: no request fits the KV cache")
-        result = self.runner.execute(batch)
-        for request, n in zip(batch.requests, batch.num_new_tokens):
-            request.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(request)
-            forward = request.metrics.model_forward_time or 0.0
-            request.metrics.model_forward_time = forward + result.forward_seconds
+        output = self.runner.execute(step.model_input)
+        stepped = self.scheduler.update_from_output(step, output)
+        self._process_text(step, output)
+        return aborted + stepped
+
+    def _take_inbox(self) -> list[Request]:
+        while self._incoming:
+            self.scheduler.add(self._incoming.popleft())
+        aborted = []
+        while self._aborts:
+            request = self.scheduler.requests.get(self._aborts.popleft())
+            if request is not None:
+                self.scheduler.finish_request(request, "abort")
+                aborted.append(request)
+        return aborted
+
+    def _process_text(self, step: ScheduledStep, output: ModelRunnerOutput) -> None:
         processor = self.output_processor
-        for request, position, *top in result.prompt_logprobs:
-            if len(request.prompt_logprobs) == position + 1:  # not yet recorded (before a preemption)
-                request.prompt_logprobs.append(processor.logprob_entry(request.prompt_token_ids[position + 1], *top))
-
-        stepped = []
-        for row, (request, token) in enumerate(result.sampled):
-            request.append_token(token)
-            if row in result.logprobs:
-                if request.logprobs is None:
-                    request.logprobs = []
-                request.logprobs.append(processor.logprob_entry(token, *result.logprobs[row]))
-            self._check_stop(request, token)
-            processor.on_token(request, token)
-            self._limit_reasoning(request)
-            if request.is_finished:
-                self.scheduler.finish(request)
-            stepped.append(request)
-        return stepped
-
-    def _check_stop(self, request: Request, token: int) -> None:
-        if request.num_output_tokens >= request.params.min_tokens:
-            if token in request.eos_token_ids:
-                return request.finish("stop", token)
-            if request.params.stop_token_ids and token in request.params.stop_token_ids:
-                return request.finish("stop", token)
-        if request.num_output_tokens >= request.max_tokens:
-            request.finish("length")
-
-    def _limit_reasoning(self, request: Request) -> None:
-        """After reasoning_max_tokens thinking tokens, force the end of the thinking part."""
-        limit = request.params.reasoning_max_tokens
-        if limit is None or not request.reasoning or request.is_finished or THINK_END in request.text:
-            return
-        request.num_reasoning_tokens += 1
-        if request.num_reasoning_tokens == limit and not request.forced_tokens:
-            request.forced_tokens = self.tokenizer.encode(FORCED_THINK_END, add_special_tokens=False)
+        tokens = output.sampled_token_ids.tolist()
+        for (request, position), top in zip(step.prompt_rows, output.prompt_logprobs):
+            processor.add_prompt_logprobs(request, position, top)
+        for j, top in zip(step.model_input.logprob_rows.tolist(), output.logprobs):
+            processor.add_logprobs(step.samplers[j], tokens[j], top)
+        for request, token in zip(step.samplers, tokens):
+            events = processor.on_token(request, token)
+            if events.stop_string is not None:
+                self.scheduler.finish_request(request, "stop", events.stop_string)
+            if events.forced_tokens:
+                request.forced_tokens = events.forced_tokens
 
     def abort_all(self) -> None:
         """Drop every queued and running request (e.g. after Ctrl-C), freeing their blocks."""
-        for request in list(self.scheduler.running):
-            self.scheduler.finish(request)
-            request.finish("abort")
-        while self.scheduler.waiting:
-            self.scheduler.waiting.popleft().finish("abort")
+        self._take_inbox()
+        for request in list(self.scheduler.requests.values()):
+            self.scheduler.finish_request(request, "abort")
+            self.output_processor.release(request.request_id)
 
     def make_output(self, request: Request, delta: bool = False) -> RequestOutput:
         return self.output_processor.make_output(request, delta)

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.output.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -65,12 +64,10 @@ class RequestOutput:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """Everything the engine knows about one request; the scheduler, block manager and runner all
-    read and update this one object."""
+    """A request's scheduling state. The scheduler owns its status, computed tokens and finishing;
+    the block manager its blocks; the output processor its text (keyed by request_id)."""
 
     request_id: str
-    index: int
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams  # model defaults already filled in
     max_tokens: int  # resolved: never past max_model_len
@@ -81,10 +78,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prefix-cache hit when first scheduled
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
-    logprobs: list[dict[int, Logprob]] | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error_code: int = 200
@@ -93,14 +86,6 @@ class Request:
     bad_words: list[tuple[int, ...]] = field(default_factory=list)  # banned token sequences
     forced_tokens: list[int] = field(default_factory=list)  # emitted next instead of sampling
     prefix_leader: Request | None = None  # a sibling (n > 1) whose prompt blocks this one reuses
-    # Text state, kept by the OutputProcessor.
-    detokenizer: IncrementalDetokenizer | None = None
-    text: str = ""  # output text so far, cut at a matched stop string
-    reasoning: bool = False  # the reasoning parser applies to this output
-    num_reasoning_tokens: int = 0
-    sent_tokens: int = 0  # for streaming: what earlier deltas carried
-    sent_text: int = 0
-    sent_reasoning: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -126,12 +111,19 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = time.time()
+    @property
+    def below_min_tokens(self) -> bool:
+        """Fewer outputs than min_tokens: EOS and stop ids are banned from the next token, and do not
+        stop the request if they come anyway (e.g. forced)."""
+        return self.num_output_tokens < self.params.min_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark finished. Scheduled requests are finished through Scheduler.finish_request, which also
+        frees their blocks; this alone is for requests rejected before scheduling."""
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -5,28 +5,23 @@ tokens for its computed tokens to catch up with its known tokens, within the ste
 prompt chunk and a single decode token are the same thing. Running requests go first, then
 waiting ones in arrival order. When blocks run out, the newest running request is preempted:
 its blocks are freed and it is recomputed later (its generated tokens are kept).
+
+The scheduler owns the requests' progress: `schedule()` builds the step for the runner, and
+`update_from_output()` applies the runner's output (computed tokens, cached blocks, new tokens, stop
+checks, finishing and freeing) in one place.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestStatus
+from fastdeploy.engine.step_builder import ScheduledStep, build_step
+from fastdeploy.worker.step_types import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    requests: list[Request]
-    num_new_tokens: list[int]  # per request, this step
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
 
 
 class Scheduler:
@@ -38,15 +33,17 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # the unfinished ones, by id
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.requests[request.request_id] = request
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
         counts: list[int] = []
@@ -84,6 +81,9 @@ class Scheduler:
                 num_new = budget
             if not self.block_manager.allocate(request, num_new, hits):
                 break
+            if hits:
+                request.num_cached_tokens = len(hits) * self.block_manager.block_size
+                request.num_computed_tokens += request.num_cached_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.metrics.inference_start_time is None:
@@ -93,16 +93,48 @@ class Scheduler:
             scheduled.append(request)
             counts.append(num_new)
             budget -= num_new
-        return ScheduledBatch(scheduled, counts)
+        return build_step(scheduled, counts, self.block_manager)
+
+    def update_from_output(self, step: ScheduledStep, output: ModelRunnerOutput) -> list[Request]:
+        """Apply a step's result; return the requests that got a new token (some now finished)."""
+        for request, n in zip(step.requests, step.num_new_tokens):
+            request.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(request)
+            request.metrics.model_forward_time = (request.metrics.model_forward_time or 0.0) + output.forward_seconds
+        now = time.time()
+        for request, token in zip(step.samplers, output.sampled_token_ids.tolist()):
+            request.token_ids.append(token)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if request.forced_tokens:
+                request.forced_tokens.pop(0)  # the runner emitted it instead of a sample
+            self._check_stop(request, token)
+        return step.samplers
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        if not request.below_min_tokens and (
+                token in request.eos_token_ids or token in (request.params.stop_token_ids or ())):
+            self.finish_request(request, "stop", token)
+        elif request.num_output_tokens >= request.max_tokens:
+            self.finish_request(request, "length")
+
+    def finish_request(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish the request and free its blocks. Finishing one already finished only changes its reason
+        (a stop string found in the final text)."""
+        request.finish(reason, stop_reason)
+        if self.requests.pop(request.request_id, None) is None:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.release(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.block_manager.release(request)
+        self.block_manager.release(request.request_id)
+        request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         logger.debug("preempted request %s (recomputed later)", request.request_id)
-
-    def finish(self, request: Request) -> None:
-        self.running.remove(request)
-        self.block_manager.release(request)

@@ -9,7 +9,7 @@ from typing import Any, Union
 import numpy as np
 from tqdm.auto import tqdm
 
-from fastdeploy.engine.config import EngineConfig
+from fastdeploy.config import EngineConfig
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import Request, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams

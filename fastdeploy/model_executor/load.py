@@ -26,7 +26,7 @@ from paddle import nn
 from tqdm import tqdm
 
 from fastdeploy.distributed.parallel_state import SINGLE, TPGroup, building_for
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.checkpoint import (  # noqa: F401 - re-exported
     Checkpoint, LazyArray, TensorInfo, bf16_bits_to_float32, read_safetensors_header)
 from fastdeploy.model_executor.layers.packed import WeightSlot, named_slots, packed_parameters

@@ -1,16 +1,20 @@
 """Token sampling for a step's logits: bans, penalties, greedy argmax or temperature / top-k / top-p /
 min-p and an inverse-CDF draw, for the whole batch in one compiled call.
 
-The semantics are the numpy sampler's (fastdeploy/model_executor/layers/sampler.py), which is also the
-reference here. Each sampled row comes with its uniform (drawn by the caller from the row's own
-generator), so a row's token never depends on the rest of the batch.
+The semantics are the numpy sampler's (sampling_reference.py), its reference. Each sampled row comes
+with its uniform (drawn by the caller from the row's own generator), so a row's token never depends
+on the rest of the batch.
 """
 from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import paddle
 
 from fastdeploy.ops.build import call_op, compiled
+from fastdeploy.ops.sampling_reference import SamplingBatch, sample_numpy
 
 # Columns of the op's float64 parameter table, in fd::SampleCol order (custom_ops/fd_kernels.h), with
 # the dtype each value has first (as the numpy sampler holds it): float64 represents them all exactly.
@@ -19,13 +23,41 @@ PARAM_COLUMNS = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int
                  "presence_penalty": np.float32, "uniforms": np.float64, "greedy": bool}
 _COLUMN = {name: j for j, name in enumerate(PARAM_COLUMNS)}
 _TOKEN_LISTS = ("banned_token_ids", "prompt_token_ids", "output_token_ids")
-# What the kernel needs of the sampled rows' values to mean anything (the Sampler checks more).
+# What the kernel needs of the sampled rows' values to mean anything (`sample` checks them; `sample_batch` trusts its batch).
 _SAMPLED_ROW_CHECKS = (
     ("uniforms", lambda u: (u >= 0) & (u < 1), "in [0, 1)"),
     ("temperature", lambda t: t > 0, "> 0"),
     ("top_p", lambda p: p <= 1, "<= 1"),
     ("min_p", lambda p: p <= 1, "<= 1"),
 )
+
+
+def pack_token_ids(batch: SamplingBatch, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The token lists the compiled sampler reads, as (ids, offsets) int64: row r's banned ids are
+    ids[offsets[3r]:offsets[3r + 1]], then its prompt ids up to offsets[3r + 2], then its output ids up
+    to offsets[3r + 3]. Lists a row's parameters do not use are left empty (and unchecked, as in the
+    numpy path)."""
+    n_rows = len(batch.banned_token_ids)
+    rep = batch.repetition_penalty != 1
+    needs_output = rep | (batch.frequency_penalty != 0) | (batch.presence_penalty != 0)
+    lists: list[Sequence[int]] = []
+    for r in range(n_rows):
+        lists += (batch.banned_token_ids[r], batch.prompt_token_ids[r] if rep[r] else (),
+                  batch.output_token_ids[r] if needs_output[r] else ())
+    lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if any(isinstance(t, np.ndarray) for t in lists):  # e.g. prompts kept as arrays: no per-id Python work
+        ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in lists])
+    else:
+        ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(offsets[-1]))
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():  # name the first kind of list (banned, prompt, output) that holds a bad id
+        kind = int(np.repeat(np.tile(np.arange(3), n_rows), lens)[bad].min())
+        name = ("banned_token_ids", "prompt_token_ids", "output_token_ids")[kind]
+        raise ValueError(f"{name} must hold token ids in [0, {vocab_size})")
+    return ids, offsets
+
 
 
 def _check(logits: paddle.Tensor | np.ndarray, params: dict[str, object], token_ids: np.ndarray,
@@ -61,9 +93,7 @@ def sample_reference(logits: paddle.Tensor | np.ndarray, *, greedy: np.ndarray, 
                      repetition_penalty: np.ndarray, frequency_penalty: np.ndarray,
                      presence_penalty: np.ndarray, token_ids: np.ndarray, token_offsets: np.ndarray,
                      return_thresholds: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """`sample` by the numpy sampler (fastdeploy.model_executor.layers.sampler.sample_numpy)."""
-    from fastdeploy.model_executor.layers.sampler import SamplingBatch, sample_numpy
-
+    """`sample` by the numpy sampler (sampling_reference.sample_numpy)."""
     params = dict(greedy=greedy, uniforms=uniforms, temperature=temperature, top_k=top_k, top_p=top_p,
                   min_p=min_p, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                   presence_penalty=presence_penalty)
@@ -74,7 +104,7 @@ def sample_reference(logits: paddle.Tensor | np.ndarray, *, greedy: np.ndarray, 
     batch = SamplingBatch(
         temperature=rows["temperature"], top_p=rows["top_p"], top_k=rows["top_k"], min_p=rows["min_p"],
         repetition_penalty=rows["repetition_penalty"], frequency_penalty=rows["frequency_penalty"],
-        presence_penalty=rows["presence_penalty"], generators=[None] * n_rows,
+        presence_penalty=rows["presence_penalty"], uniforms=rows["uniforms"],
         **{name: segments[k::3] for k, name in enumerate(_TOKEN_LISTS)})
     view = logits.numpy() if isinstance(logits, paddle.Tensor) else np.asarray(logits)
     thresholds = np.full(n_rows, np.nan, dtype=np.float32)
@@ -107,6 +137,24 @@ def sample(logits: paddle.Tensor | np.ndarray, *, greedy: np.ndarray, uniforms: 
         return sample_reference(logits, token_ids=token_ids, token_offsets=token_offsets,
                                 return_thresholds=return_thresholds, **params)
     table, ids, offsets = _check(logits, params, token_ids, token_offsets)
+    return _run(lib, logits, table, ids, offsets, return_thresholds)
+
+
+def sample_batch(logits: paddle.Tensor | np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    """`sample` for a SamplingBatch, trusting its values (SamplingParams validated them): one token per
+    row of the float32 logits [B, V]. The compiled op when built, else the numpy sampler."""
+    greedy = batch.greedy_mask()
+    lib = compiled(True)
+    if lib is None:
+        view = logits.numpy() if isinstance(logits, paddle.Tensor) else logits
+        return sample_numpy(view, batch, greedy, batch.uniforms)
+    table = np.column_stack([getattr(batch, name) if name != "greedy" else greedy for name in PARAM_COLUMNS])
+    ids, offsets = pack_token_ids(batch, logits.shape[1])
+    return _run(lib, logits, table.astype(np.float64), ids, offsets, False)
+
+
+def _run(lib: object, logits: paddle.Tensor | np.ndarray, table: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
+         return_thresholds: bool) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     if not isinstance(logits, paddle.Tensor) or not logits.place.is_cpu_place() or not logits.is_contiguous():
         logits = paddle.from_dlpack(np.ascontiguousarray(np.asarray(logits)))  # zero-copy for numpy arrays
     # Offsets and ids travel as one tensor: wrapping each array in a tensor costs ~8 us.

@@ -1,102 +1,162 @@
-"""Text side of a request's output: incremental detokenization, stop strings, the reasoning
-split, and the RequestOutputs handed to the user (whole, or as stream deltas).
+"""Text side of a request's output: incremental detokenization, stop strings, the reasoning split,
+logprob entries, and the RequestOutputs handed to the user (whole, or as stream deltas).
 
-Streamed text never includes a tail that could still turn out to be the start of a stop string
-or a reasoning tag, so the deltas of a request always join to exactly its final text.
+The processor owns each request's text state (by request id), from `start` until its finished output
+is made. Streamed text never includes a tail that could still turn out to be the start of a stop
+string or a reasoning tag, so the deltas of a request always join to exactly its final text.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import numpy as np
+from dataclasses import dataclass, field
 
 from fastdeploy.engine.request import CompletionOutput, Logprob, Request, RequestOutput
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.output.detokenizer import IncrementalDetokenizer
-from fastdeploy.reasoning.parsers import ReasoningParser
+from fastdeploy.reasoning.parsers import THINK_END, ReasoningParser
+from fastdeploy.worker.step_types import TopLogprobs
+
+FORCED_THINK_END = "\n" + THINK_END + "\n\n"  # what ends a thinking part cut by reasoning_max_tokens
+
+
+@dataclass(slots=True)
+class TextState:
+    """One request's output as text, and what earlier stream deltas carried."""
+
+    index: int  # position of the prompt in the caller's batch
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    reasoning: bool  # the reasoning parser applies to this output
+    text: str = ""  # output text so far, cut at a matched stop string
+    num_reasoning_tokens: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # position 0 has none
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_reasoning: int = 0
+
+
+@dataclass(slots=True)
+class TokenEvents:
+    """What a new token's text means for the scheduler."""
+
+    stop_string: str | None = None  # matched: finish the request with it
+    forced_tokens: list[int] = field(default_factory=list)  # to emit next (end of a cut thinking part)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, reasoning_parser: ReasoningParser | None):
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser
+        self.states: dict[str, TextState] = {}
 
-    def start(self, request: Request, enable_thinking: bool) -> None:
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                     request.params.skip_special_tokens)
+    def start(self, request: Request, prompt: str | None, index: int, enable_thinking: bool) -> None:
         parser = self.reasoning_parser
-        request.reasoning = parser is not None and parser.starts_in_reasoning(request.prompt, enable_thinking)
+        self.states[request.request_id] = TextState(
+            index=index, prompt=prompt,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                               request.params.skip_special_tokens),
+            reasoning=parser is not None and parser.starts_in_reasoning(prompt, enable_thinking),
+            prompt_logprobs=[None] if request.wants_prompt_logprobs else None)
 
-    def on_token(self, request: Request, token: int) -> None:
-        """Decode the new token; a completed stop string cuts the text and finishes the request."""
-        if not request.params.detokenize:
-            return
-        new_text = request.detokenizer.add_tokens([token])
-        if request.is_finished:
-            new_text += request.detokenizer.flush()
-        request.text += new_text
+    def release(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def on_token(self, request: Request, token: int) -> TokenEvents:
+        """Decode the request's new token: a completed stop string cuts the text; after
+        reasoning_max_tokens thinking tokens the end of thinking is forced."""
+        state = self.states[request.request_id]
+        events = TokenEvents()
+        if request.params.detokenize:
+            new_text = state.detokenizer.add_tokens([token])
+            if request.is_finished:
+                new_text += state.detokenizer.flush()
+            state.text += new_text
+            events.stop_string = self._match_stop(request, state, new_text)
+        limit = request.params.reasoning_max_tokens
+        if (limit is not None and state.reasoning and not request.is_finished and events.stop_string is None
+                and THINK_END not in state.text):
+            state.num_reasoning_tokens += 1
+            if state.num_reasoning_tokens == limit and not request.forced_tokens:
+                events.forced_tokens = self.tokenizer.encode(FORCED_THINK_END, add_special_tokens=False)
+        return events
+
+    @staticmethod
+    def _match_stop(request: Request, state: TextState, new_text: str) -> str | None:
         stops = request.params.stop_strings
         if not stops or not new_text:
-            return
+            return None
         # Only a match ending in the new text is new; it may start in the old text.
         longest = max(len(s) for s in stops)
-        search_from = max(len(request.text) - len(new_text) - longest + 1, 0)
-        hits = [(request.text.find(s, search_from), s) for s in stops]
+        search_from = max(len(state.text) - len(new_text) - longest + 1, 0)
+        hits = [(state.text.find(s, search_from), s) for s in stops]
         hits = [(pos, s) for pos, s in hits if pos != -1]
         if not hits:
-            return
+            return None
         pos, stop = min(hits)
-        end = pos + len(stop) if request.params.include_stop_str_in_output else pos
-        request.text = request.text[:end]
-        request.finish("stop", stop)
+        state.text = state.text[:pos + len(stop) if request.params.include_stop_str_in_output else pos]
+        return stop
 
-    def visible_text(self, request: Request) -> str:
+    def add_logprobs(self, request: Request, token: int, top: TopLogprobs) -> None:
+        state = self.states[request.request_id]
+        if state.logprobs is None:
+            state.logprobs = []
+        state.logprobs.append(self.logprob_entry(token, top))
+
+    def add_prompt_logprobs(self, request: Request, position: int, top: TopLogprobs) -> None:
+        """Logprobs of prompt token position + 1; a position seen before a preemption is not added twice."""
+        entries = self.states[request.request_id].prompt_logprobs
+        if len(entries) == position + 1:
+            entries.append(self.logprob_entry(request.prompt_token_ids[position + 1], top))
+
+    def _visible_text(self, request: Request, state: TextState) -> str:
         """Text that can no longer change: while running, hold back a possible stop-string start."""
-        text = request.text
         stops = request.params.stop_strings
         if request.is_finished or not stops or request.params.include_stop_str_in_output:
-            return text
-        return text[:max(len(text) - (max(len(s) for s in stops) - 1), 0)]
+            return state.text
+        return state.text[:max(len(state.text) - (max(len(s) for s in stops) - 1), 0)]
 
-    def split(self, request: Request) -> tuple[str | None, str]:
-        text = self.visible_text(request)
-        if not request.reasoning:
+    def _split(self, request: Request, state: TextState) -> tuple[str | None, str]:
+        text = self._visible_text(request, state)
+        if not state.reasoning:
             return (None if self.reasoning_parser is None else ""), text
         return self.reasoning_parser.split(text, final=request.is_finished)
 
     def make_output(self, request: Request, delta: bool = False) -> RequestOutput:
-        """The request's output so far; with delta=True only what was not sent before."""
-        reasoning, text = self.split(request)
+        """The request's output so far; with delta=True only what was not sent before. The finished
+        output is the last: the request's text state is released with it."""
+        state = self.states[request.request_id]
+        reasoning, text = self._split(request, state)
         token_ids = request.output_token_ids
-        logprobs = request.logprobs
-        prompt_logprobs = request.prompt_logprobs
+        logprobs, prompt_logprobs = state.logprobs, state.prompt_logprobs
         if delta:
-            sent_tokens = request.sent_tokens
+            sent_tokens = state.sent_tokens
             prompt_logprobs = prompt_logprobs if sent_tokens == 0 else None  # sent with the first delta
             token_ids, logprobs = token_ids[sent_tokens:], logprobs[sent_tokens:] if logprobs else logprobs
-            new_text, new_reasoning = text[request.sent_text:], reasoning
+            new_text, new_reasoning = text[state.sent_text:], reasoning
             if reasoning is not None:
-                new_reasoning = reasoning[request.sent_reasoning:]
-                request.sent_reasoning = len(reasoning)
-            request.sent_tokens, request.sent_text = request.num_output_tokens, len(text)
+                new_reasoning = reasoning[state.sent_reasoning:]
+                state.sent_reasoning = len(reasoning)
+            state.sent_tokens, state.sent_text = request.num_output_tokens, len(text)
             text, reasoning = new_text, new_reasoning
+        if request.is_finished:
+            self.release(request.request_id)
         completion = CompletionOutput(
-            index=request.index, send_idx=max(request.num_output_tokens - 1, 0), token_ids=token_ids, text=text,
+            index=state.index, send_idx=max(request.num_output_tokens - 1, 0), token_ids=token_ids, text=text,
             reasoning_content=reasoning, logprobs=logprobs, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason)
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+            request_id=request.request_id, prompt=state.prompt, prompt_token_ids=request.prompt_token_ids,
             outputs=completion, finished=request.is_finished, metrics=request.metrics,
             num_cached_tokens=request.num_cached_tokens, error_code=request.error_code,
             error_msg=request.error_msg, prompt_logprobs=prompt_logprobs)
 
-    def logprob_entry(self, token: int, top_ids: np.ndarray, top_logprobs: np.ndarray, logprob: float,
-                      rank: int) -> dict[int, Logprob]:
+    def logprob_entry(self, token: int, top: TopLogprobs) -> dict[int, Logprob]:
         """{token_id: Logprob} for the top-k plus the chosen token (ranks are 1-based)."""
         entry = {int(t): Logprob(float(lp), i + 1, self.decode_one(int(t)))
-                 for i, (t, lp) in enumerate(zip(top_ids, top_logprobs))}
+                 for i, (t, lp) in enumerate(zip(top.token_ids, top.logprobs))}
         if token not in entry:
-            entry[token] = Logprob(float(logprob), int(rank), self.decode_one(token))
+            entry[token] = Logprob(top.target_logprob, top.target_rank, self.decode_one(token))
         return entry
 
     def decode_one(self, token: int) -> str:

@@ -1,8 +1,9 @@
-"""ModelRunner: owns the model and the KV cache, and turns a scheduled batch into sampled tokens.
+"""ModelRunner: owns the model and the KV cache, and turns a step's SchedulerOutput (plain arrays) into
+a ModelRunnerOutput: sampled token ids and the logprobs asked for. It never sees a request.
 
-A step's tokens are flattened into one ragged batch (no padding): token ids, positions, and the
-forward context that maps them onto the paged cache. Only requests whose known tokens are all
-computed after this step get logits and a sampled token; a mid-prompt chunk gets neither.
+The step's tokens are one ragged batch (no padding); only the rows the engine marked get logits: the
+requests that catch up with their known tokens this step sample one token, and prompt rows of
+requests that asked for prompt logprobs give those.
 """
 from __future__ import annotations
 
@@ -15,31 +16,20 @@ import numpy as np
 import paddle
 
 from fastdeploy import ops
-from fastdeploy.engine.config import EngineConfig
-from fastdeploy.engine.request import Request
-from fastdeploy.engine.scheduler import ScheduledBatch
+from fastdeploy.config import EngineConfig
 from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
 from fastdeploy.model_executor.forward_context import allocate_kv_caches
-from fastdeploy.model_executor.layers.sampler import Sampler, SamplingBatch
+from fastdeploy.model_executor.layers.sampler import Sampler
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
-from fastdeploy.worker.step import StepInputs, run_step, warmup_inputs
+from fastdeploy.worker import messages
+from fastdeploy.worker.step import run_step, warmup_inputs
+from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_sigint
 
 logger = logging.getLogger(__name__)
 
 ACTIVATION_RESERVE = 0.1  # share of the memory budget kept for activations
-
-
-TopLogprobs = tuple[np.ndarray, np.ndarray, float, int]  # top ids, their logprobs, target logprob, target rank
-
-
-@dataclass(slots=True)
-class StepResult:
-    sampled: list[tuple[Request, int]]  # requests that got a new token this step
-    logprobs: dict[int, TopLogprobs]  # index into `sampled` -> logprobs of that token
-    prompt_logprobs: list[tuple[Request, int, np.ndarray, np.ndarray, float, int]]  # (request, position, *top)
-    forward_seconds: float
 
 
 def top_logprobs(logp: np.ndarray, k: int, target: int) -> TopLogprobs:
@@ -49,34 +39,16 @@ def top_logprobs(logp: np.ndarray, k: int, target: int) -> TopLogprobs:
     top = np.argpartition(-logp, k - 1)[:k] if 0 < k < vocab else np.arange(k)
     top = top[np.argsort(-logp[top], kind="stable")]
     rank = int((logp > logp[target]).sum()) + 1
-    return top, logp[top], float(logp[target]), rank
+    return TopLogprobs(top, logp[top], float(logp[target]), rank)
 
 
-def banned_tokens(request: Request) -> list[int]:
-    """Ids the request must not produce next: EOS and stop ids before min_tokens, and the last
-    token of every bad-word sequence whose other tokens end the output."""
-    banned = []
-    if request.num_output_tokens < request.params.min_tokens:
-        banned.extend(request.eos_token_ids)
-        banned.extend(request.params.stop_token_ids or ())
-    if request.bad_words:
-        output = request.output_token_ids
-        for seq in request.bad_words:
-            if len(seq) == 1 or (len(seq) - 1 <= len(output) and tuple(output[len(output) - len(seq) + 1:]) == seq[:-1]):
-                banned.append(seq[-1])
-    return banned
-
-
-def with_logit_bias(logits: paddle.Tensor, requests: list[Request]) -> paddle.Tensor | np.ndarray:
-    """The sampler's input: logits plus each request's logit_bias (before penalties, as vLLM does);
-    the raw logits stay untouched for logprobs."""
-    biases = [r.params.logit_bias for r in requests]
-    if not any(biases):
+def with_logit_bias(logits: paddle.Tensor, step: SchedulerOutput) -> paddle.Tensor | np.ndarray:
+    """The sampler's input: logits plus each row's logit_bias (before penalties, as vLLM does); the raw
+    logits stay untouched for logprobs."""
+    if not len(step.bias_rows):
         return logits
     biased = np.array(logits.numpy(), copy=True)
-    for row, bias in enumerate(biases):
-        if bias:
-            biased[row, list(bias)] += np.asarray(list(bias.values()), dtype=biased.dtype)
+    biased[step.bias_rows, step.bias_token_ids] += step.bias_values
     return biased
 
 
@@ -100,14 +72,14 @@ class ModelRunner:
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
             self.sampler = Sampler()
             self.num_blocks = self._num_kv_blocks()
-            self._ask_workers(("kv", self.num_blocks))  # all ranks hold the same blocks, each its own heads
+            self._ask_workers(messages.AllocateKV(self.num_blocks))  # all ranks hold the same blocks, each its own heads
         except BaseException:
             self.close()
             raise
         self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks, config.block_size,
                                             kv_heads_per_rank(mc.num_key_value_heads, self.tp.size), mc.head_dim)
 
-    def _ask_workers(self, message: tuple | None = None) -> list:
+    def _ask_workers(self, message: object | None = None) -> list:
         """Send `message` to every worker (if given) and wait for each one's reply."""
         if self.workers is None:
             return []
@@ -126,7 +98,7 @@ class ModelRunner:
 
     def worker_parameters(self) -> list[dict[str, np.ndarray]]:
         """Each worker rank's parameters (its shard of the model), in rank order; for inspection."""
-        return self._ask_workers(("parameters",))
+        return [reply.weights for reply in self._ask_workers(messages.GetParameters())]
 
     def _kv_block_bytes(self) -> int:
         """Bytes of one KV block over all ranks (they share this host's memory)."""
@@ -160,73 +132,31 @@ class ModelRunner:
         return num_blocks
 
     @paddle.no_grad()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        requests, counts = batch.requests, batch.num_new_tokens
-        ids, positions, context_lens = [], [], []
-        for request, n in zip(requests, counts):
-            begin = request.num_computed_tokens
-            ids.extend(request.token_ids[begin:begin + n])
-            positions.extend(range(begin, begin + n))
-            context_lens.append(begin + n)
-
-        # Rows that finish their known tokens this step produce the next token; prompt rows of
-        # requests asking for prompt_logprobs get logits too.
-        offsets = np.cumsum([0] + list(counts))
-        sampling = [i for i, (r, c) in enumerate(zip(requests, context_lens)) if c == r.num_tokens]
-        prompt_rows = [(r, p, int(offsets[i]) + p - r.num_computed_tokens)
-                       for i, r in enumerate(requests) if r.params.prompt_logprobs is not None
-                       for p in range(r.num_computed_tokens, min(context_lens[i], r.num_prompt_tokens - 1))]
-        rows = [int(offsets[i + 1]) - 1 for i in sampling] + [row for _, _, row in prompt_rows]
-        logits = self._forward(StepInputs(
-            np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64), list(counts), context_lens,
-            [r.block_table for r in requests], np.asarray(rows, dtype=np.int64)))
-        if logits is None:
-            return StepResult([], {}, [], time.perf_counter() - start)
-        chosen = [requests[i] for i in sampling]
-        tokens: list[int] = []
-        if chosen:
-            tokens = self.sampler(with_logit_bias(logits[:len(chosen)], chosen), self._sampling_batch(chosen)).tolist()
-            for j, r in enumerate(chosen):
-                if r.forced_tokens:
-                    tokens[j] = r.forced_tokens.pop(0)
-        logprob_rows = [j for j, r in enumerate(chosen) if r.params.logprobs is not None]
-        result = StepResult(list(zip(chosen, tokens)), {}, [], 0.0)
-        if logprob_rows or prompt_rows:
+        logits = self._forward(step.forward)
+        num_samples = step.num_samples
+        tokens = np.zeros(0, dtype=np.int64)
+        if num_samples:
+            tokens = self.sampler(with_logit_bias(logits[:num_samples], step), step.sampling)
+            tokens = np.where(step.forced_token_ids >= 0, step.forced_token_ids, tokens)
+        output = ModelRunnerOutput(tokens)
+        if len(step.logprob_rows) or len(step.prompt_logprob_k):
             # Raw log-softmax of the model's logits (before penalties and temperature).
             logp = paddle.nn.functional.log_softmax(logits, axis=-1).numpy()
-            for j in logprob_rows:
-                result.logprobs[j] = top_logprobs(logp[j], chosen[j].params.logprobs, tokens[j])
-            for j, (r, p, _) in enumerate(prompt_rows, start=len(chosen)):
-                result.prompt_logprobs.append(
-                    (r, p, *top_logprobs(logp[j], r.params.prompt_logprobs, r.prompt_token_ids[p + 1])))
-        result.forward_seconds = time.perf_counter() - start
-        return result
+            output.logprobs = [top_logprobs(logp[j], int(k), int(tokens[j]))
+                               for j, k in zip(step.logprob_rows, step.logprob_k)]
+            output.prompt_logprobs = [top_logprobs(logp[num_samples + i], int(k), int(target)) for i, (k, target)
+                                      in enumerate(zip(step.prompt_logprob_k, step.prompt_logprob_targets))]
+        output.forward_seconds = time.perf_counter() - start
+        return output
 
-    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
-        def column(name: str, dtype: type) -> np.ndarray:
-            return np.array([getattr(r.params, name) for r in requests], dtype=dtype)
-
-        return SamplingBatch(
-            temperature=column("temperature", np.float32),
-            top_p=column("top_p", np.float32),
-            top_k=column("top_k", np.int64),
-            min_p=column("min_p", np.float32),
-            repetition_penalty=column("repetition_penalty", np.float32),
-            frequency_penalty=column("frequency_penalty", np.float32),
-            presence_penalty=column("presence_penalty", np.float32),
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            banned_token_ids=[banned_tokens(r) for r in requests],
-            generators=[r.generator for r in requests],
-        )
-
-    def _forward(self, inputs: StepInputs) -> paddle.Tensor | None:
+    def _forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
         if self.workers is None:
             return run_step(self.model, inputs, self.config.block_size, self.kv_caches)
         # Every rank runs the same forward; Ctrl-C waits until the step's collectives are done.
         with deferred_sigint():
-            self.workers.send_all(("step", inputs))
+            self.workers.send_all(messages.Step(inputs))
             try:
                 return run_step(self.model, inputs, self.config.block_size, self.kv_caches)
             except BaseException as e:

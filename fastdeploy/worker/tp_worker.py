@@ -21,6 +21,7 @@ import numpy as np
 
 from fastdeploy.distributed import channel
 from fastdeploy.distributed.parallel_state import TPGroup, create_group, create_store, kv_heads_per_rank
+from fastdeploy.worker import messages
 from fastdeploy.worker.worker_group import HELLO
 
 logger = logging.getLogger("fastdeploy.tp_worker")
@@ -83,23 +84,22 @@ class Worker:
                 message = channel.recv(self.sock)
             except (channel.ChannelClosed, OSError):
                 return  # rank 0 closed the channel
-            op = message[0]
-            if op == "step":
-                run_step(self.model, message[1], self.block_size, self.kv_caches)
-            elif op == "init":
-                self.start(*message[1:])
-                channel.send(self.sock, ("ready",))
-            elif op == "kv":
-                self.allocate(message[1])
-                channel.send(self.sock, ("ready",))
-            elif op == "parameters":
+            if isinstance(message, messages.Step):
+                run_step(self.model, message.batch, self.block_size, self.kv_caches)
+            elif isinstance(message, messages.Init):
+                self.start(message.config, message.store_port, message.group_id)
+                channel.send(self.sock, messages.Ready())
+            elif isinstance(message, messages.AllocateKV):
+                self.allocate(message.num_blocks)
+                channel.send(self.sock, messages.Ready())
+            elif isinstance(message, messages.GetParameters):
                 from fastdeploy.model_executor.weight_format import named_weights
 
-                channel.send(self.sock, named_weights(self.model))
-            elif op == "stop":
+                channel.send(self.sock, messages.Parameters(named_weights(self.model)))
+            elif isinstance(message, messages.Stop):
                 return
             else:
-                raise ValueError(f"unknown message {op!r} from rank 0")
+                raise ValueError(f"unknown message {message!r} from rank 0")
 
 
 def main() -> None:
@@ -122,7 +122,7 @@ def main() -> None:
         text = traceback.format_exc()
         logger.error("stopping after an error:\n%s", text)
         try:
-            channel.send(sock, ("error", text))
+            channel.send(sock, messages.Failed(text))
         except OSError:
             pass
         os._exit(1)

@@ -31,7 +31,8 @@ from typing import Any
 
 from fastdeploy.distributed import channel
 from fastdeploy.distributed.parallel_state import TPGroup, create_group, create_store, next_group_id
-from fastdeploy.engine.config import EngineConfig
+from fastdeploy.config import EngineConfig
+from fastdeploy.worker import messages
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class WorkerGroup:
                 self._spawn(rank, token)
             self.socks = self._accept(listener, token)
             store_port, group_id = channel.free_port(), next_group_id()
-            store = self._rendezvous(store_port, ("init", config, store_port, group_id))
+            store = self._rendezvous(store_port, messages.Init(config, store_port, group_id))
             self.tp: TPGroup = create_group(0, self.size, store, group_id)
         except BaseException:
             self.close()
@@ -145,7 +146,7 @@ class WorkerGroup:
             by_rank[rank] = sock
         return [by_rank[r] for r in range(1, self.size)]
 
-    def _rendezvous(self, store_port: int, init: tuple) -> Any:
+    def _rendezvous(self, store_port: int, init: messages.Init) -> Any:
         """paddle's master store, made once every worker has connected to it.
 
         Its constructor waits for all ranks, so it runs in a thread (it releases the GIL); the
@@ -196,7 +197,7 @@ class WorkerGroup:
             raise WorkerError(f"tensor-parallel {dead}; its error is printed above")
 
     # ---- after startup ------------------------------------------------------------------------
-    def send_all(self, message: Any) -> None:
+    def send_all(self, message: object) -> None:
         if self.closed:
             raise WorkerError("the tensor-parallel workers were stopped after an earlier error; create a new LLM")
         try:
@@ -206,14 +207,14 @@ class WorkerGroup:
             self.close()
             raise WorkerError(f"lost a tensor-parallel worker: {e}") from e
 
-    def receive_all(self) -> list[Any]:
-        """One reply from every worker, in rank order; a worker's ("error", text) becomes a WorkerError."""
+    def receive_all(self) -> list[object]:
+        """One reply from every worker, in rank order; a worker's Failed becomes a WorkerError."""
         replies = []
         try:
             for rank, sock in enumerate(self.socks, start=1):
                 reply = channel.recv(sock)
-                if isinstance(reply, tuple) and reply and reply[0] == "error":
-                    raise WorkerError(f"tensor-parallel worker rank {rank} failed:\n{reply[1]}")
+                if isinstance(reply, messages.Failed):
+                    raise WorkerError(f"tensor-parallel worker rank {rank} failed:\n{reply.traceback}")
                 replies.append(reply)
         except (OSError, channel.ChannelClosed) as e:
             self.close()
@@ -242,7 +243,7 @@ class WorkerGroup:
                 proc.kill()
         for sock in self.socks:
             try:
-                channel.send(sock, ("stop",))
+                channel.send(sock, messages.Stop())
             except OSError:
                 pass
             sock.close()

@@ -1,131 +1,18 @@
-"""Batched token sampling (vLLM V1 / FastDeploy order).
+"""The sampler layer: one token per row of a step's logits (vLLM V1 / FastDeploy order: bans,
+penalties, greedy argmax or temperature / top-k / top-p / min-p and a draw at each row's uniform).
 
-banned ids -> repetition, frequency, presence penalties on the raw logits -> greedy rows take
-the argmax -> temperature -> top_k -> top_p -> min_p -> renormalise -> draw.
-
-A sampled row draws one uniform from its own generator per step and inverts the CDF of its
-filtered distribution, so a seeded request gives the same tokens whatever else is in the batch.
-The compiled op fastdeploy.ops.sample runs the whole batch when available; `sample_numpy` is the
-reference (and the fallback).
+The compiled op runs the whole batch (fastdeploy.ops.sampling.sample_batch); the numpy sampler
+beside it (fastdeploy.ops.sampling_reference) is its reference and the fallback. Both give the same
+tokens except where a float rounding difference decides a cut or a draw (tests/test_sampling_op.py).
 """
 from __future__ import annotations
-
-import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import paddle
 
-from fastdeploy import ops
-from fastdeploy.model_executor.layers.logits_processors import (
-    Scratch,
-    filter_thresholds,
-    frequency_presence_penalty_,
-    repetition_penalty_,
-    token_pairs,
-)
-
-_GREEDY_TEMPERATURE = 1e-5  # below this temperature a row is greedy (vLLM's epsilon)
-_DRAW_BLOCK = 1024  # the draw inverts a per-block CDF, then the CDF inside one block
-_CHUNK_ROWS = 8  # rows per pass: bounds work arrays (B=256 x 150k vocab) and stays cache-friendlier
-
-
-@dataclass(slots=True)
-class SamplingBatch:
-    temperature: np.ndarray  # float32 [B]; 0 => greedy
-    top_p: np.ndarray  # float32 [B]; 1 => off; 0 => greedy
-    top_k: np.ndarray  # int64 [B]; 0 or -1 => off; 1 => greedy
-    min_p: np.ndarray  # float32 [B]; 0 => off
-    repetition_penalty: np.ndarray  # float32 [B]; 1 => off; over prompt and output tokens
-    frequency_penalty: np.ndarray  # float32 [B]; over output tokens
-    presence_penalty: np.ndarray  # float32 [B]; over output tokens
-    prompt_token_ids: list[Sequence[int]]
-    output_token_ids: list[Sequence[int]]
-    banned_token_ids: list[Sequence[int]]  # set to -inf this step (EOS/stop ids below min_tokens)
-    generators: list[np.random.Generator | None]  # None only for greedy rows
-
-    @classmethod
-    def from_lists(
-        cls,
-        batch_size: int,
-        *,
-        temperature: float | Sequence[float] = 1.0,
-        top_p: float | Sequence[float] = 1.0,
-        top_k: int | Sequence[int] = 0,
-        min_p: float | Sequence[float] = 0.0,
-        repetition_penalty: float | Sequence[float] = 1.0,
-        frequency_penalty: float | Sequence[float] = 0.0,
-        presence_penalty: float | Sequence[float] = 0.0,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        output_token_ids: Sequence[Sequence[int]] | None = None,
-        banned_token_ids: Sequence[Sequence[int]] | None = None,
-        seeds: Sequence[int | None] | None = None,
-        generators: Sequence[np.random.Generator | None] | None = None,
-    ) -> SamplingBatch:
-        """Build a batch from scalars (shared by all rows) or per-row lists.
-
-        Rows get `np.random.default_rng(seed)` from `seeds` unless `generators` are given
-        (a None seed draws fresh OS entropy).
-        """
-
-        def arr(value: object, dtype: type, name: str) -> np.ndarray:
-            a = np.asarray(value, dtype=dtype)
-            a = np.full(batch_size, a, dtype=dtype) if a.ndim == 0 else a
-            if a.shape != (batch_size,):
-                raise ValueError(f"{name} must be a scalar or a list of {batch_size} values")
-            return a
-
-        def seqs(value: Sequence[Sequence[int]] | None, name: str) -> list[Sequence[int]]:
-            out = [[] for _ in range(batch_size)] if value is None else list(value)
-            if len(out) != batch_size:
-                raise ValueError(f"{name} must have {batch_size} rows, got {len(out)}")
-            return out
-
-        if generators is None:
-            seed_list = [None] * batch_size if seeds is None else list(seeds)
-            if len(seed_list) != batch_size:
-                raise ValueError(f"seeds must have {batch_size} values, got {len(seed_list)}")
-            generators = [np.random.default_rng(s) for s in seed_list]
-        return cls(
-            temperature=arr(temperature, np.float32, "temperature"),
-            top_p=arr(top_p, np.float32, "top_p"),
-            top_k=arr(top_k, np.int64, "top_k"),
-            min_p=arr(min_p, np.float32, "min_p"),
-            repetition_penalty=arr(repetition_penalty, np.float32, "repetition_penalty"),
-            frequency_penalty=arr(frequency_penalty, np.float32, "frequency_penalty"),
-            presence_penalty=arr(presence_penalty, np.float32, "presence_penalty"),
-            prompt_token_ids=seqs(prompt_token_ids, "prompt_token_ids"),
-            output_token_ids=seqs(output_token_ids, "output_token_ids"),
-            banned_token_ids=seqs(banned_token_ids, "banned_token_ids"),
-            generators=list(generators),
-        )
-
-    def greedy_mask(self) -> np.ndarray:
-        return (self.temperature < _GREEDY_TEMPERATURE) | (self.top_p <= 0) | (self.top_k == 1)
-
-    def validate(self, batch_size: int) -> None:
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty"):
-            shape = np.shape(getattr(self, name))
-            if shape != (batch_size,):
-                raise ValueError(f"{name} must have shape ({batch_size},) to match the logits, got {shape}")
-        for name in ("prompt_token_ids", "output_token_ids", "banned_token_ids", "generators"):
-            if len(getattr(self, name)) != batch_size:
-                raise ValueError(f"{name} must have {batch_size} rows to match the logits")
-        checks = (
-            ("temperature", np.isfinite(self.temperature) & (self.temperature >= 0), ">= 0"),
-            ("top_p", (self.top_p >= 0) & (self.top_p <= 1), "in [0, 1]"),
-            ("top_k", self.top_k >= -1, "-1, 0 (off) or >= 1"),
-            ("min_p", (self.min_p >= 0) & (self.min_p <= 1), "in [0, 1]"),
-            ("repetition_penalty", np.isfinite(self.repetition_penalty) & (self.repetition_penalty > 0), "> 0"),
-            ("frequency_penalty", np.isfinite(self.frequency_penalty), "finite"),
-            ("presence_penalty", np.isfinite(self.presence_penalty), "finite"),
-        )
-        for name, ok, allowed in checks:
-            if not ok.all():
-                row = int(np.argmin(ok))
-                raise ValueError(f"{name} of row {row} is {getattr(self, name)[row]}; allowed: {allowed}")
+from fastdeploy.ops.logits_filters import Scratch
+from fastdeploy.ops.sampling import sample_batch
+from fastdeploy.ops.sampling_reference import SamplingBatch, sample_numpy
 
 
 def _as_array(logits: paddle.Tensor | np.ndarray) -> np.ndarray:
@@ -147,141 +34,8 @@ def _as_array(logits: paddle.Tensor | np.ndarray) -> np.ndarray:
     return x
 
 
-def draw(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
-    """Inverse-CDF draw of one token per row of non-negative weights `probs` [S, V].
-
-    Tokens of weight 0 are never drawn. Work per row is O(V / block + block) after one
-    vectorised pass that sums the blocks.
-    """
-    n_rows, vocab = probs.shape
-    starts = np.arange(0, vocab, _DRAW_BLOCK)
-    block_mass = np.add.reduceat(probs, starts, axis=1, dtype=np.float64)
-    cum = np.cumsum(block_mass, axis=1)
-    target = uniforms * cum[:, -1]
-    blocks = (cum <= target[:, None]).sum(axis=1)
-    # rounding could push the target to the very end: fall back to the last block with mass
-    last = block_mass.shape[1] - 1 - np.argmax(block_mass[:, ::-1] > 0, axis=1)
-    blocks = np.minimum(blocks, last)
-    ridx = np.arange(n_rows)
-    rest = target - np.where(blocks > 0, cum[ridx, blocks - 1], 0.0)
-    out = np.empty(n_rows, dtype=np.int64)
-    for i in range(n_rows):
-        lo = int(starts[blocks[i]])
-        seg = probs[i, lo:lo + _DRAW_BLOCK]
-        j = int(np.searchsorted(np.cumsum(seg, dtype=np.float64), rest[i], side="right"))
-        if j >= seg.size:
-            j = int(np.flatnonzero(seg)[-1])
-        out[i] = lo + j
-    return out
-
-
-def _ban_and_penalise(x: np.ndarray, batch: SamplingBatch, rows: np.ndarray) -> None:
-    """In place on x, the logits of batch rows `rows`: banned ids to -inf, then the penalties."""
-    vocab = x.shape[1]
-    if any(len(batch.banned_token_ids[r]) for r in rows):
-        i, t = token_pairs(batch.banned_token_ids, rows, vocab, "banned_token_ids")
-        x[i, t] = -np.inf
-    rep = batch.repetition_penalty[rows]
-    sub = np.flatnonzero(rep != 1)
-    if sub.size:  # over the prompt and the output tokens
-        i1, t1 = token_pairs(batch.prompt_token_ids, rows[sub], vocab, "prompt_token_ids")
-        i2, t2 = token_pairs(batch.output_token_ids, rows[sub], vocab, "output_token_ids")
-        repetition_penalty_(x, sub[np.concatenate([i1, i2])], np.concatenate([t1, t2]), rep)
-    fp, pp = batch.frequency_penalty[rows], batch.presence_penalty[rows]
-    sub = np.flatnonzero((fp != 0) | (pp != 0))
-    if sub.size:  # over the output tokens only
-        i, t = token_pairs(batch.output_token_ids, rows[sub], vocab, "output_token_ids")
-        frequency_presence_penalty_(x, sub[i], t, fp, pp)
-
-
-def sample_numpy(view: np.ndarray, batch: SamplingBatch, greedy: np.ndarray, uniforms: np.ndarray,
-                 scratch: Scratch | None = None, thresholds: np.ndarray | None = None) -> np.ndarray:
-    """The numpy sampler: one token per row of the float32 [B, V] logits `view` (never written).
-
-    `greedy` [B] marks the rows that take the argmax; each other row inverts its filtered CDF at its
-    uniform (float64 [B], read only for those rows). `thresholds` (float32 [B]), if given, receives
-    each sampled row's filter threshold (it kept logit / temperature >= it). Also the reference of
-    fastdeploy.ops.sample.
-    """
-    scratch = Scratch() if scratch is None else scratch
-    n_rows, vocab = view.shape
-    changed = (
-        np.fromiter(map(len, batch.banned_token_ids), dtype=np.int64, count=n_rows) > 0
-    ) | (batch.repetition_penalty != 1) | (batch.frequency_penalty != 0) | (batch.presence_penalty != 0)
-    plain = greedy & ~changed
-    if plain.all():
-        return view.argmax(axis=1).astype(np.int64)
-    out = np.empty(n_rows, dtype=np.int64)
-    # Rows are copied into a reused work array a chunk at a time: this bounds memory
-    # (B = 256 rows of a 150k vocabulary) and avoids fresh, page-faulting arrays each step.
-    for group, sampled in ((plain, False), (greedy & changed, False), (~greedy, True)):
-        idx = np.flatnonzero(group)
-        for lo in range(0, idx.size, _CHUNK_ROWS):
-            rows = idx[lo:lo + _CHUNK_ROWS]
-            x = np.take(view, rows, axis=0, out=scratch.get("rows", (rows.size, vocab), np.float32))
-            _ban_and_penalise(x, batch, rows)
-            if not sampled:
-                out[rows] = x.argmax(axis=1)
-                continue
-            out[rows], tau = _sample_rows(x, batch, rows, uniforms[rows], scratch)
-            if thresholds is not None:
-                thresholds[rows] = tau
-    return out
-
-
-def _sample_rows(x: np.ndarray, batch: SamplingBatch, rows: np.ndarray, uniforms: np.ndarray,
-                 scratch: Scratch) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens and filter thresholds of the sampled batch rows `rows`; x [len(rows), V] is a work
-    copy, overwritten."""
-    x /= batch.temperature[rows][:, None]
-    m = x.max(axis=1)
-    bad = np.flatnonzero(~np.isfinite(m))
-    if bad.size:
-        raise ValueError(f"logits of row {int(rows[bad[0]])} are all -inf or hold NaN/inf")
-    e = scratch.get("exp", x.shape, np.float32)
-    np.subtract(x, m[:, None], out=e)
-    np.exp(e, out=e)
-    tau = filter_thresholds(x, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows],
-                            row_max=m, exp_logits=e, scratch=scratch)
-    if (tau > -np.inf).any():
-        np.multiply(e, x >= tau[:, None], out=e)  # several times faster than copyto(where=)
-    return draw(e, uniforms), tau
-
-
-def pack_token_ids(batch: SamplingBatch, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The token lists the compiled sampler reads, as (ids, offsets) int64: row r's banned ids are
-    ids[offsets[3r]:offsets[3r + 1]], then its prompt ids up to offsets[3r + 2], then its output ids up
-    to offsets[3r + 3]. Lists a row's parameters do not use are left empty (and unchecked, as in the
-    numpy path)."""
-    n_rows = len(batch.banned_token_ids)
-    rep = batch.repetition_penalty != 1
-    needs_output = rep | (batch.frequency_penalty != 0) | (batch.presence_penalty != 0)
-    lists: list[Sequence[int]] = []
-    for r in range(n_rows):
-        lists += (batch.banned_token_ids[r], batch.prompt_token_ids[r] if rep[r] else (),
-                  batch.output_token_ids[r] if needs_output[r] else ())
-    lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    if any(isinstance(t, np.ndarray) for t in lists):  # e.g. prompts kept as arrays: no per-id Python work
-        ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in lists])
-    else:
-        ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(offsets[-1]))
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():  # name the first kind of list (banned, prompt, output) that holds a bad id
-        kind = int(np.repeat(np.tile(np.arange(3), n_rows), lens)[bad].min())
-        name = ("banned_token_ids", "prompt_token_ids", "output_token_ids")[kind]
-        raise ValueError(f"{name} must hold token ids in [0, {vocab_size})")
-    return ids, offsets
-
-
 class Sampler:
-    """Picks one token per row of a step's logits; see the module docstring for the order.
-
-    The whole batch goes through the compiled op (fastdeploy.ops.sample) when it is available and
-    `use_compiled`; otherwise through numpy (`sample_numpy`). Both give the same tokens except where
-    a float rounding difference decides a cut or a draw (tests/test_sampling_op.py).
-    """
+    """Samples a SamplingBatch (values trusted: validated when the requests were made) from logits."""
 
     def __init__(self, use_compiled: bool = True) -> None:
         self.use_compiled = use_compiled
@@ -289,24 +43,11 @@ class Sampler:
 
     def __call__(self, logits: paddle.Tensor | np.ndarray, batch: SamplingBatch) -> np.ndarray:
         view = _as_array(logits)
-        n_rows, vocab = view.shape
-        batch.validate(n_rows)
-        greedy = batch.greedy_mask()
-        sampled = np.flatnonzero(~greedy)
-        missing = [int(i) for i in sampled if batch.generators[i] is None]
-        if missing:
-            raise ValueError(f"generators of sampled rows {missing} are None; only greedy rows may omit one")
-        # One uniform per sampled row from its own generator, in row order, so a seeded request
-        # gets the same tokens whatever else is in the batch.
-        uniforms = np.zeros(n_rows, dtype=np.float64)
-        uniforms[sampled] = [batch.generators[i].random() for i in sampled]
-        if self.use_compiled and ops.library() is not None:
-            ids, offsets = pack_token_ids(batch, vocab)
+        if len(batch) != view.shape[0]:
+            raise ValueError(f"the batch has {len(batch)} rows (temperature, top_p, ...) but the logits have "
+                             f"{view.shape[0]}")
+        if self.use_compiled:
             # A float32 paddle tensor goes to the op as it is: wrapping the numpy view again costs time.
             as_is = isinstance(logits, paddle.Tensor) and logits.dtype == paddle.float32
-            return ops.sample(logits if as_is else view, greedy=greedy, uniforms=uniforms,
-                              temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
-                              min_p=batch.min_p, repetition_penalty=batch.repetition_penalty,
-                              frequency_penalty=batch.frequency_penalty, presence_penalty=batch.presence_penalty,
-                              token_ids=ids, token_offsets=offsets)
-        return sample_numpy(view, batch, greedy, uniforms, self._scratch)
+            return sample_batch(logits if as_is else view, batch)
+        return sample_numpy(view, batch, batch.greedy_mask(), batch.uniforms, self._scratch)

@@ -12,7 +12,7 @@ import paddle
 from paddle import nn
 
 from fastdeploy.distributed.parallel_state import current_tp, kv_heads_per_rank
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.layers.attention import Attention
 from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
 from fastdeploy.model_executor.layers.linear import GatedMLP, MergedLinear, RowParallelLinear, qkv_slices

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from paddle import nn
 
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.layers.moe import SparseMoE
 from fastdeploy.model_executor.models.decoder import dense_mlp
 from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM

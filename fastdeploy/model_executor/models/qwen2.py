@@ -4,7 +4,7 @@ o_proj bias), SiLU-gated MLP, untied LM head unless the config ties it. HF layou
 """
 from __future__ import annotations
 
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.models.decoder import CausalLM
 
 

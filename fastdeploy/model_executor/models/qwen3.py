@@ -3,7 +3,7 @@ weight [head_dim], applied before the rotary embedding), q/k/v/o biases only whe
 is true (default false), and `head_dim` given on its own rather than hidden_size / heads."""
 from __future__ import annotations
 
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.models.qwen2 import Qwen2ForCausalLM
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastdeploy.distributed.parallel_state import check_tp_size
-from fastdeploy.engine.model_config import ModelConfig
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.reasoning.parsers import known_parsers
 
 QUANTIZATIONS = ("wint8", "wint4")

@@ -1,0 +1,61 @@
+"""What crosses the boundary between the engine and the model runner each step: plain arrays in
+(`SchedulerOutput`), plain arrays out (`ModelRunnerOutput`). The runner never sees a request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fastdeploy.ops.sampling_reference import SamplingBatch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """The step's ragged batch, request after request: what every tensor-parallel rank runs. The
+    forward context (slot mapping, query starts, padded block tables) is derived from it per rank."""
+
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_lens: list[int]  # new tokens per request
+    context_lens: list[int]  # tokens per request once this step's are added
+    block_tables: list[list[int]]  # KV blocks of each request
+    logit_rows: np.ndarray  # [S + P] int64: hidden-state rows whose logits are needed: S samples, then P prompt rows
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step for the runner. The first S logit rows sample a token (one per request that catches up
+    with its known tokens this step, in batch order); the P rows after them give prompt logprobs."""
+
+    forward: ForwardBatch
+    sampling: SamplingBatch  # S rows, values validated when the requests were made
+    forced_token_ids: np.ndarray  # [S] int64: emitted instead of the sampled token; -1: none
+    bias_rows: np.ndarray  # logit_bias as coordinates: add bias_values at (bias_rows, bias_token_ids)
+    bias_token_ids: np.ndarray
+    bias_values: np.ndarray  # float32
+    logprob_rows: np.ndarray  # int64 indices into the S rows that want the logprobs of their token
+    logprob_k: np.ndarray  # int64, per logprob row: how many top entries (-1: the whole vocabulary)
+    prompt_logprob_k: np.ndarray  # [P] int64
+    prompt_logprob_targets: np.ndarray  # [P] int64: the prompt token that follows each prompt row
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.forced_token_ids)
+
+
+@dataclass(slots=True)
+class TopLogprobs:
+    """One position's log-probabilities (raw log-softmax of the logits): the k best, and the target's."""
+
+    token_ids: np.ndarray  # int64 [k], best first
+    logprobs: np.ndarray  # float32 [k]
+    target_logprob: float
+    target_rank: int  # 1-based rank in the vocabulary
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: np.ndarray  # [S] int64
+    logprobs: list[TopLogprobs] = field(default_factory=list)  # one per SchedulerOutput.logprob_rows entry
+    prompt_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per prompt row
+    forward_seconds: float = 0.0
