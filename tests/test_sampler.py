@@ -18,7 +18,7 @@ import paddle
 import pytest
 
 from fastdeploy.ops import logits_filters as lp
-from fastdeploy.model_executor.layers.sampler import Sampler
+from fastdeploy.ops.sampling import Sampler
 from fastdeploy.ops.sampling_reference import SamplingBatch, draw
 
 REF = json.loads((pathlib.Path(__file__).parent / "fixtures/reference/sampler_distributions.json").read_text())

@@ -24,12 +24,10 @@ import paddle
 import pytest
 
 from fastdeploy import ops
-from fastdeploy.model_executor.layers import sampler as sampler_mod
-from fastdeploy.model_executor.layers.sampler import Sampler
-from fastdeploy.ops import sampling as sampling_mod
-from fastdeploy.ops.sampling import pack_token_ids
-from fastdeploy.ops.sampling_reference import SamplingBatch
 from fastdeploy.ops import build
+from fastdeploy.ops import sampling as sampling_mod
+from fastdeploy.ops.sampling import Sampler, pack_token_ids
+from fastdeploy.ops.sampling_reference import SamplingBatch
 
 LIB = build.library()
 ISAS = [name for name in ("avx512", "avx2") if LIB is not None and build.set_isa(name) == name]
@@ -341,7 +339,7 @@ def test_sampler_runs_the_compiled_op_by_default_and_both_paths_agree(monkeypatc
     assert calls == [1]
     np.testing.assert_array_equal(fast, run(False))
     assert calls == [1]
-    assert sampler_mod.Sampler().use_compiled
+    assert Sampler().use_compiled
 
 
 def test_pack_token_ids_takes_lists_or_arrays():

@@ -14,8 +14,7 @@ from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.request import Request, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.engine.scheduler import Scheduler
-from fastdeploy.engine.step_builder import ScheduledStep
+from fastdeploy.engine.scheduler import ScheduledStep, Scheduler
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.output.output_processor import OutputProcessor
 from fastdeploy.reasoning.parsers import get_reasoning_parser

@@ -14,6 +14,7 @@ import numpy as np
 import paddle
 
 from fastdeploy.ops.build import call_op, compiled
+from fastdeploy.ops.logits_filters import Scratch
 from fastdeploy.ops.sampling_reference import SamplingBatch, sample_numpy
 
 # Columns of the op's float64 parameter table, in fd::SampleCol order (custom_ops/fd_kernels.h), with
@@ -164,3 +165,41 @@ def _run(lib: object, logits: paddle.Tensor | np.ndarray, table: np.ndarray, ids
     if tokens.size and tokens.min() < 0:  # -1: a sampled row without a finite largest logit
         raise ValueError(f"logits of row {int(np.argmax(tokens < 0))} are all -inf or hold NaN/inf")
     return (tokens, thresholds.numpy()) if return_thresholds else tokens
+
+
+def _as_array(logits: paddle.Tensor | np.ndarray) -> np.ndarray:
+    """A float32 [B, V] array over the logits, zero-copy where possible. Never written to: the
+    caller's logits stay as they were (the runner may still want their raw values)."""
+    if isinstance(logits, np.ndarray):
+        x = np.asarray(logits, dtype=np.float32)
+    elif isinstance(logits, paddle.Tensor):
+        if logits.dtype != paddle.float32:
+            logits = logits.astype("float32")
+        try:
+            x = np.from_dlpack(logits)  # shares the tensor's CPU memory
+        except (BufferError, RuntimeError, TypeError, ValueError):
+            x = logits.numpy()  # e.g. a GPU tensor: copy to host
+    else:
+        raise TypeError(f"logits must be a paddle.Tensor or numpy array, got {type(logits).__name__}")
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError(f"logits must have shape [batch, vocab], got {list(x.shape)}")
+    return x
+
+
+class Sampler:
+    """Samples a SamplingBatch (values trusted: validated when the requests were made) from logits."""
+
+    def __init__(self, use_compiled: bool = True) -> None:
+        self.use_compiled = use_compiled
+        self._scratch = Scratch()
+
+    def __call__(self, logits: paddle.Tensor | np.ndarray, batch: SamplingBatch) -> np.ndarray:
+        view = _as_array(logits)
+        if len(batch) != view.shape[0]:
+            raise ValueError(f"the batch has {len(batch)} rows (temperature, top_p, ...) but the logits have "
+                             f"{view.shape[0]}")
+        if self.use_compiled:
+            # A float32 paddle tensor goes to the op as it is: wrapping the numpy view again costs time.
+            as_is = isinstance(logits, paddle.Tensor) and logits.dtype == paddle.float32
+            return sample_batch(logits if as_is else view, batch)
+        return sample_numpy(view, batch, batch.greedy_mask(), batch.uniforms, self._scratch)

@@ -18,12 +18,11 @@ import paddle
 from fastdeploy import ops
 from fastdeploy.config import EngineConfig
 from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
-from fastdeploy.model_executor.forward_context import allocate_kv_caches
-from fastdeploy.model_executor.layers.sampler import Sampler
+from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
 from fastdeploy.worker import messages
-from fastdeploy.worker.step import run_step, warmup_inputs
+from fastdeploy.ops.sampling import Sampler
 from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_sigint
 
@@ -50,6 +49,26 @@ def with_logit_bias(logits: paddle.Tensor, step: SchedulerOutput) -> paddle.Tens
     biased = np.array(logits.numpy(), copy=True)
     biased[step.bias_rows, step.bias_token_ids] += step.bias_values
     return biased
+
+
+@paddle.no_grad()
+def run_step(model: nn.Layer, inputs: ForwardBatch, block_size: int,
+             kv_caches: Sequence[paddle.Tensor]) -> paddle.Tensor | None:
+    """Forward the batch through the model (writing its K/V into the cache) and return the logits
+    [N, vocab] of `logit_rows` (None when no row needs them)."""
+    ctx = build_forward_context(inputs.query_lens, inputs.context_lens, inputs.block_tables, block_size, kv_caches)
+    with forward_context(ctx):
+        hidden = model(paddle.to_tensor(inputs.token_ids), paddle.to_tensor(inputs.positions))
+    if not len(inputs.logit_rows):
+        return None
+    return model.compute_logits(paddle.gather(hidden, paddle.to_tensor(inputs.logit_rows)))
+
+
+def warmup_inputs(num_tokens: int, block_size: int) -> ForwardBatch:
+    """One request of `num_tokens` zeros in the first blocks, with the last row's logits."""
+    blocks = list(range(-(-num_tokens // block_size)))
+    return ForwardBatch(np.zeros(num_tokens, np.int64), np.arange(num_tokens, dtype=np.int64), [num_tokens],
+                       [num_tokens], [blocks], np.asarray([num_tokens - 1], np.int64))
 
 
 class ModelRunner:

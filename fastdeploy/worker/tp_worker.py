@@ -77,7 +77,7 @@ class Worker:
                                             kv_heads_per_rank(mc.num_key_value_heads, self.world_size), mc.head_dim)
 
     def serve(self) -> None:
-        from fastdeploy.worker.step import run_step
+        from fastdeploy.worker.model_runner import run_step
 
         while True:
             try:
