@@ -12,6 +12,7 @@ import json
 import math
 import pathlib
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 import paddle
@@ -22,6 +23,68 @@ from fastdeploy.ops.sampling import Sampler
 from fastdeploy.ops.sampling_reference import SamplingBatch, draw
 
 REF = json.loads((pathlib.Path(__file__).parent / "fixtures/reference/sampler_distributions.json").read_text())
+
+
+# transformers-style whole-batch forms of the sampler's steps (new arrays; input untouched)
+def apply_repetition_penalty(
+    logits: np.ndarray, token_ids: Sequence[Sequence[int]], penalty: float | Sequence[float]
+) -> np.ndarray:
+    """Repetition penalty over each row's `token_ids` (prompt and output tokens together)."""
+    x = lp._as_2d(logits).copy()
+    p = lp._per_row(penalty, x.shape[0], np.float32, "penalty")
+    if (p <= 0).any():
+        raise ValueError("penalty must be > 0")
+    rows, toks = lp.token_pairs(token_ids, np.arange(x.shape[0]), x.shape[1], "token_ids")
+    lp.repetition_penalty_(x, rows, toks, p)
+    return x
+
+
+def apply_frequency_presence_penalty(
+    logits: np.ndarray,
+    output_token_ids: Sequence[Sequence[int]],
+    frequency_penalty: float | Sequence[float],
+    presence_penalty: float | Sequence[float],
+) -> np.ndarray:
+    x = lp._as_2d(logits).copy()
+    b = x.shape[0]
+    fp = lp._per_row(frequency_penalty, b, np.float32, "frequency_penalty")
+    pp = lp._per_row(presence_penalty, b, np.float32, "presence_penalty")
+    rows, toks = lp.token_pairs(output_token_ids, np.arange(b), x.shape[1], "output_token_ids")
+    lp.frequency_presence_penalty_(x, rows, toks, fp, pp)
+    return x
+
+
+def apply_temperature(logits: np.ndarray, temperature: float | Sequence[float]) -> np.ndarray:
+    x = lp._as_2d(logits)
+    t = lp._per_row(temperature, x.shape[0], np.float32, "temperature")
+    if not (t > 0).all():
+        raise ValueError("temperature must be > 0 here (temperature 0 means greedy and skips sampling)")
+    return x / t[:, None]
+
+
+def _mask_below(x: np.ndarray, tau: np.ndarray, filter_value: float) -> np.ndarray:
+    return np.where(x < tau[:, None], np.float32(filter_value), x)
+
+
+def apply_top_k(logits: np.ndarray, top_k: int | Sequence[int], min_tokens_to_keep: int = 1,
+                filter_value: float = -np.inf) -> np.ndarray:
+    """Keep the top_k largest logits of each row (and every logit tied with the k-th)."""
+    x = lp._as_2d(logits)
+    return _mask_below(x, lp.filter_thresholds(x, top_k=top_k, min_tokens_to_keep=min_tokens_to_keep), filter_value)
+
+
+def apply_top_p(logits: np.ndarray, top_p: float | Sequence[float], min_tokens_to_keep: int = 1,
+                filter_value: float = -np.inf) -> np.ndarray:
+    """Keep the smallest set of largest-probability tokens whose probability sums to >= top_p."""
+    x = lp._as_2d(logits)
+    return _mask_below(x, lp.filter_thresholds(x, top_p=top_p, min_tokens_to_keep=min_tokens_to_keep), filter_value)
+
+
+def apply_min_p(logits: np.ndarray, min_p: float | Sequence[float], min_tokens_to_keep: int = 1,
+                filter_value: float = -np.inf) -> np.ndarray:
+    """Drop tokens whose probability is below min_p times the row's largest probability."""
+    x = lp._as_2d(logits)
+    return _mask_below(x, lp.filter_thresholds(x, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep), filter_value)
 
 
 def _uniform_logits(batch_size: int, length: int) -> np.ndarray:
@@ -53,9 +116,9 @@ def test_temperature_dist_warper() -> None:
     scores[1, 5] = (1 / length) + 0.1  # peak, 1st batch
     scores[1, 10] = (1 / length) - 0.4  # valley, 1st batch
     probs = _softmax(scores)
-    warped_prob_sharp = _softmax(lp.apply_temperature(scores, 0.5))
-    warped_prob_smooth = _softmax(lp.apply_temperature(scores, 1.3))
-    processed_scores = lp.apply_temperature(scores, 1.3)
+    warped_prob_sharp = _softmax(apply_temperature(scores, 0.5))
+    warped_prob_smooth = _softmax(apply_temperature(scores, 1.3))
+    processed_scores = apply_temperature(scores, 1.3)
 
     _assert_close(probs[0, :], warped_prob_sharp[0, :])
     _assert_close(probs[0, :], warped_prob_smooth[0, :])
@@ -74,7 +137,7 @@ def test_repetition_penalty_dist_process() -> None:
     scores[1, 5] = 4 / vocab_size
     original = scores.copy()
 
-    processed_scores = lp.apply_repetition_penalty(scores, input_ids, 2.0)
+    processed_scores = apply_repetition_penalty(scores, input_ids, 2.0)
 
     _assert_almost_equal(processed_scores[0, 0], -(1 / vocab_size) * 2)
     _assert_almost_equal(processed_scores[0, 1], (1 / vocab_size) / 2)
@@ -90,18 +153,18 @@ def test_top_k_dist_warper() -> None:
     ramp_logits = np.tile(np.arange(vocab_size, dtype=np.float32), (batch_size, 1))
     ramp_logits[1:, : vocab_size // 2] = ramp_logits[1:, : vocab_size // 2] + vocab_size
 
-    scores = lp.apply_top_k(ramp_logits, 3)
+    scores = apply_top_k(ramp_logits, 3)
     assert np.isinf(scores[0]).tolist() == 7 * [True] + 3 * [False]
     assert np.isinf(scores[1]).tolist() == 2 * [True] + 3 * [False] + 5 * [True]
     assert not np.all(scores == ramp_logits)
 
     length = 5
     logits = _uniform_logits(batch_size=batch_size, length=length)
-    scores = lp.apply_top_k(logits, 1, min_tokens_to_keep=3, filter_value=0.0)
+    scores = apply_top_k(logits, 1, min_tokens_to_keep=3, filter_value=0.0)
     assert (scores == 0.0).sum(axis=-1).tolist() == [0, 0]  # uniform dist is not changed
 
     ramp_logits = np.tile(np.arange(length, dtype=np.float32), (batch_size, 1))
-    scores = lp.apply_top_k(ramp_logits, 1, min_tokens_to_keep=3, filter_value=0.0)
+    scores = apply_top_k(ramp_logits, 1, min_tokens_to_keep=3, filter_value=0.0)
     assert (scores == 0.0).sum(axis=-1).tolist() == [2, 2]  # min_tokens overwrites k
 
 
@@ -110,14 +173,14 @@ def test_top_p_dist_warper() -> None:
     batch_size = 2
     dist = np.log(np.array([[0.3, 0.1, 0.1, 0.5], [0.15, 0.3, 0.3, 0.25]], dtype=np.float32))
 
-    filtered_dist = np.exp(lp.apply_top_p(dist, 0.8))
+    filtered_dist = np.exp(apply_top_p(dist, 0.8))
     expected = np.array([[0.3, 0.0, 0.0, 0.5], [0.0, 0.3, 0.3, 0.25]], dtype=np.float32)
     _assert_close(filtered_dist, expected)
-    assert not np.all(lp.apply_top_p(dist, 0.8) == dist)
+    assert not np.all(apply_top_p(dist, 0.8) == dist)
 
     ramp_logits = np.tile(np.arange(vocab_size, dtype=np.float32), (batch_size, 1)) - (vocab_size // 2)
     ramp_logits[1] = ramp_logits[1] * 100.0
-    filtered_dist = lp.apply_top_p(ramp_logits, 0.9, min_tokens_to_keep=2, filter_value=0.0)
+    filtered_dist = apply_top_p(ramp_logits, 0.9, min_tokens_to_keep=2, filter_value=0.0)
     assert (filtered_dist != 0.0).sum(axis=-1).tolist() == [3, 2]
 
 
@@ -130,14 +193,14 @@ def test_min_p_dist_warper() -> None:
         [0.97, 0.01, 0.01, 0.01],  # only the first token should be kept
     ], dtype=np.float32))
 
-    filtered_dist = np.exp(lp.apply_min_p(dist, 0.05))
+    filtered_dist = np.exp(apply_min_p(dist, 0.05))
     expected = np.array([[0.9, 0.0, 0.047, 0.0], [0.15, 0.3, 0.3, 0.25], [0.97, 0.0, 0.0, 0.0]], dtype=np.float32)
     _assert_close(filtered_dist, expected)
-    assert not np.all(lp.apply_min_p(dist, 0.05) == dist)
+    assert not np.all(apply_min_p(dist, 0.05) == dist)
 
     ramp_logits = np.tile(np.arange(vocab_size, dtype=np.float32) - (vocab_size // 2), (batch_size, 1))
     ramp_logits[1] = ramp_logits[1] * 100.0
-    filtered_dist = lp.apply_min_p(ramp_logits, 0.9, min_tokens_to_keep=2, filter_value=0.0)
+    filtered_dist = apply_min_p(ramp_logits, 0.9, min_tokens_to_keep=2, filter_value=0.0)
     assert (filtered_dist != 0.0).sum(axis=-1).tolist() == [2, 2]
 
 
@@ -148,7 +211,7 @@ def test_min_p_dist_warper() -> None:
 def test_filters_match_transformers_distribution(case: dict) -> None:
     logits = np.array([case["logits"]], dtype=np.float32)
     expected = np.array(case["probs"])
-    x = lp.apply_temperature(logits, case["temperature"]) if case["temperature"] != 1.0 else logits
+    x = apply_temperature(logits, case["temperature"]) if case["temperature"] != 1.0 else logits
     tau = lp.filter_thresholds(x, case["top_k"], case["top_p"], case["min_p"])
     probs = _softmax(np.where(x >= tau[:, None], x, -np.inf))[0]
     np.testing.assert_array_equal(probs > 0, expected > 0)
@@ -156,18 +219,18 @@ def test_filters_match_transformers_distribution(case: dict) -> None:
 
     chained = x
     if case["top_k"]:
-        chained = lp.apply_top_k(chained, case["top_k"])
+        chained = apply_top_k(chained, case["top_k"])
     if case["top_p"] < 1:
-        chained = lp.apply_top_p(chained, case["top_p"])
+        chained = apply_top_p(chained, case["top_p"])
     if case["min_p"]:
-        chained = lp.apply_min_p(chained, case["min_p"])
+        chained = apply_min_p(chained, case["min_p"])
     np.testing.assert_allclose(_softmax(chained)[0], expected, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", REF["repetition_penalty_cases"], ids=lambda c: str(c["penalty"]))
 def test_repetition_penalty_matches_transformers(case: dict) -> None:
     logits = np.array([case["logits"]], dtype=np.float32)
-    out = lp.apply_repetition_penalty(logits, [case["prompt"] + case["output"]], case["penalty"])
+    out = apply_repetition_penalty(logits, [case["prompt"] + case["output"]], case["penalty"])
     np.testing.assert_allclose(out[0], case["expected"], rtol=1e-6, atol=1e-7)
 
 
@@ -186,7 +249,7 @@ def test_frequency_presence_penalty_formula() -> None:
     logits = np.array([[1.0, -0.5, 2.0, 0.0, 3.0, -1.0], [0.5, 0.25, -2.0, 1.5, 0.0, 1.0]], dtype=np.float32)
     outputs = [[2, 2, 4, 2], [3, 3, 0]]
     fp, pp = [0.5, -0.25], [0.25, 1.0]
-    out = lp.apply_frequency_presence_penalty(logits, outputs, fp, pp)
+    out = apply_frequency_presence_penalty(logits, outputs, fp, pp)
     # row 0: token 2 -> 2.0 - 3*0.5 - 0.25 = 0.25, token 4 -> 3.0 - 0.5 - 0.25 = 2.25
     np.testing.assert_allclose(out[0], [1.0, -0.5, 0.25, 0.0, 2.25, -1.0], atol=1e-6)
     np.testing.assert_allclose(out, _openai_penalised(logits, outputs, fp, pp), atol=1e-6)

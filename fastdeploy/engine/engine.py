@@ -1,10 +1,12 @@
 """LLMEngine: turns prompts into Requests and steps them: scheduler -> runner -> scheduler update ->
-output processor. `add_request` and `abort_request` may be called from other threads while one
-thread steps; they take effect at the next step boundary."""
+output processor. `add_request` and `abort_request` may be called from any thread while another
+steps; they take effect at the next step boundary. Steps themselves are serialised by a lock, so
+several threads may step the same engine (e.g. concurrent LLM.generate calls)."""
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 
@@ -42,6 +44,7 @@ class LLMEngine:
         # Filled from any thread, drained by the stepping thread (deque appends and pops are atomic).
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
+        self._step_lock = threading.Lock()
         if config.use_warmup:
             self.runner.warmup()
 
@@ -116,16 +119,17 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one scheduler + model step; return the requests that got a new token in it or were
         aborted before it."""
-        aborted = self._take_inbox()
-        step = self.scheduler.schedule()
-        if not step.requests:
-            if aborted or not self.scheduler.has_unfinished():
-                return aborted
-            raise RuntimeError("scheduler made no progress: no request fits the KV cache")
-        output = self.runner.execute(step.model_input)
-        stepped = self.scheduler.update_from_output(step, output)
-        self._process_text(step, output)
-        return aborted + stepped
+        with self._step_lock:
+            aborted = self._take_inbox()
+            step = self.scheduler.schedule()
+            if not step.requests:
+                if aborted or not self.scheduler.has_unfinished():
+                    return aborted
+                raise RuntimeError("scheduler made no progress: no request fits the KV cache")
+            output = self.runner.execute(step.model_input)
+            stepped = self.scheduler.update_from_output(step, output)
+            self._process_text(step, output)
+            return aborted + stepped
 
     def _take_inbox(self) -> list[Request]:
         while self._incoming:
@@ -152,11 +156,14 @@ class LLMEngine:
             if events.forced_tokens:
                 request.forced_tokens = events.forced_tokens
 
-    def abort_all(self) -> None:
-        """Drop every queued and running request (e.g. after Ctrl-C), freeing their blocks."""
-        self._take_inbox()
-        for request in list(self.scheduler.requests.values()):
-            self.scheduler.finish_request(request, "abort")
+    def abort_now(self, requests: list[Request]) -> None:
+        """Abort these requests at once (after a step another thread is running) and drop their text
+        state: for a caller that will not read their outputs (after Ctrl-C, an error, a dropped stream)."""
+        for request in requests:
+            self._aborts.append(request.request_id)
+        with self._step_lock:
+            self._take_inbox()
+        for request in requests:
             self.output_processor.release(request.request_id)
 
     def make_output(self, request: Request, delta: bool = False) -> RequestOutput:

@@ -174,6 +174,3 @@ class SamplingParams:
             if getattr(self, name) is None:
                 filled[name] = generation_defaults.get(name, neutral)
         return dataclasses.replace(self, **filled)
-
-    def clone(self) -> SamplingParams:
-        return dataclasses.replace(self)

@@ -175,15 +175,21 @@ class LLM:
     def _steps(self, requests: list[Request], use_tqdm: bool) -> Iterator[list[Request]]:
         """Step the engine until the requests are done; yield the requests each step advanced."""
         engine = self.engine
+        mine = {id(r) for r in requests}  # the engine may also step requests added from other threads
         for request in requests:
             engine.add_request(request)
+        unfinished = [r for r in requests if not r.is_finished]
         bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
-        bar.update(sum(r.is_finished for r in requests))  # rejected ones
+        bar.update(len(requests) - len(unfinished))  # rejected ones
         start, tokens_in, tokens_out = time.perf_counter(), 0, 0
         try:
-            while engine.has_unfinished():
-                stepped = engine.step()
-                finished = [r for r in stepped if r.is_finished]
+            while unfinished:
+                stepped = [r for r in engine.step() if id(r) in mine]
+                # Also those finished outside this thread's steps (an abort another thread applied).
+                seen = {id(r) for r in stepped}
+                finished = [r for r in unfinished if r.is_finished]
+                stepped += [r for r in finished if id(r) not in seen]
+                unfinished = [r for r in unfinished if not r.is_finished]
                 for request in finished:
                     tokens_in += request.num_prompt_tokens
                     tokens_out += request.num_output_tokens
@@ -195,7 +201,7 @@ class LLM:
                 if stepped:
                     yield stepped
         except BaseException:
-            engine.abort_all()  # leave the engine usable after Ctrl-C, an error, or a dropped stream
+            engine.abort_now(requests)  # leave the engine usable after Ctrl-C, an error, or a dropped stream
             raise
         finally:
             bar.close()

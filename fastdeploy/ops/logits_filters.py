@@ -1,7 +1,6 @@
 """Pure penalty and filtering steps of the sampler, over float32 [B, V] logit arrays.
 
-The public `apply_*` functions return new arrays and never touch their input; the sampler uses
-the in-place `*_` forms and `filter_thresholds` directly.
+The penalties work in place (`*_`); filters give per-row thresholds.
 
 Filters are expressed as one logit threshold per row (keep tokens with logit >= tau), so that
 top-k, top-p and min-p combine into a single mask and ties at a cut are kept (as transformers'
@@ -72,42 +71,6 @@ def frequency_presence_penalty_(
     keys, counts = np.unique(rows * vocab + toks, return_counts=True)
     r, t = np.divmod(keys, vocab)
     x[r, t] -= (counts * frequency[r].astype(np.float64) + presence[r]).astype(np.float32)
-
-
-def apply_repetition_penalty(
-    logits: np.ndarray, token_ids: Sequence[Sequence[int]], penalty: float | Sequence[float]
-) -> np.ndarray:
-    """Repetition penalty over each row's `token_ids` (prompt and output tokens together)."""
-    x = _as_2d(logits).copy()
-    p = _per_row(penalty, x.shape[0], np.float32, "penalty")
-    if (p <= 0).any():
-        raise ValueError("penalty must be > 0")
-    rows, toks = token_pairs(token_ids, np.arange(x.shape[0]), x.shape[1], "token_ids")
-    repetition_penalty_(x, rows, toks, p)
-    return x
-
-
-def apply_frequency_presence_penalty(
-    logits: np.ndarray,
-    output_token_ids: Sequence[Sequence[int]],
-    frequency_penalty: float | Sequence[float],
-    presence_penalty: float | Sequence[float],
-) -> np.ndarray:
-    x = _as_2d(logits).copy()
-    b = x.shape[0]
-    fp = _per_row(frequency_penalty, b, np.float32, "frequency_penalty")
-    pp = _per_row(presence_penalty, b, np.float32, "presence_penalty")
-    rows, toks = token_pairs(output_token_ids, np.arange(b), x.shape[1], "output_token_ids")
-    frequency_presence_penalty_(x, rows, toks, fp, pp)
-    return x
-
-
-def apply_temperature(logits: np.ndarray, temperature: float | Sequence[float]) -> np.ndarray:
-    x = _as_2d(logits)
-    t = _per_row(temperature, x.shape[0], np.float32, "temperature")
-    if not (t > 0).all():
-        raise ValueError("temperature must be > 0 here (temperature 0 means greedy and skips sampling)")
-    return x / t[:, None]
 
 
 # ----------------------------------------------------------------------------- filters
@@ -287,28 +250,3 @@ def filter_thresholds(
         # prob >= min_p * max prob  <=>  logit >= max logit + log(min_p)
         tau[on] = np.maximum(tau[on], (m[on] + np.log(mp[on])).astype(np.float32))
     return np.minimum(tau, tau_keep)
-
-
-def _mask_below(x: np.ndarray, tau: np.ndarray, filter_value: float) -> np.ndarray:
-    return np.where(x < tau[:, None], np.float32(filter_value), x)
-
-
-def apply_top_k(logits: np.ndarray, top_k: int | Sequence[int], min_tokens_to_keep: int = 1,
-                filter_value: float = -np.inf) -> np.ndarray:
-    """Keep the top_k largest logits of each row (and every logit tied with the k-th)."""
-    x = _as_2d(logits)
-    return _mask_below(x, filter_thresholds(x, top_k=top_k, min_tokens_to_keep=min_tokens_to_keep), filter_value)
-
-
-def apply_top_p(logits: np.ndarray, top_p: float | Sequence[float], min_tokens_to_keep: int = 1,
-                filter_value: float = -np.inf) -> np.ndarray:
-    """Keep the smallest set of largest-probability tokens whose probability sums to >= top_p."""
-    x = _as_2d(logits)
-    return _mask_below(x, filter_thresholds(x, top_p=top_p, min_tokens_to_keep=min_tokens_to_keep), filter_value)
-
-
-def apply_min_p(logits: np.ndarray, min_p: float | Sequence[float], min_tokens_to_keep: int = 1,
-                filter_value: float = -np.inf) -> np.ndarray:
-    """Drop tokens whose probability is below min_p times the row's largest probability."""
-    x = _as_2d(logits)
-    return _mask_below(x, filter_thresholds(x, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep), filter_value)

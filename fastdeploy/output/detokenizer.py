@@ -25,7 +25,7 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Text deltas for one sequence; `"".join(deltas) + flush()` equals decoding all output ids."""
 
-    __slots__ = ("_tokenizer", "_skip", "_ids", "_read", "_parts", "_text", "num_output_tokens")
+    __slots__ = ("_tokenizer", "_skip", "_ids", "_read", "_parts", "_text")
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
@@ -36,7 +36,6 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         self._parts: list[str] = []
         self._text: str | None = ""
-        self.num_output_tokens = 0
 
     @property
     def text(self) -> str:
@@ -50,7 +49,6 @@ class IncrementalDetokenizer:
         if len(new_token_ids) == 0:
             return ""
         self._ids.extend(int(i) for i in new_token_ids)
-        self.num_output_tokens += len(new_token_ids)
         return self._emit(final=False)
 
     def flush(self) -> str:
