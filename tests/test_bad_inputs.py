@@ -114,6 +114,16 @@ def test_out_of_vocabulary_token_fails_only_that_request(llm):
     assert "prompt_token_ids" in outputs[1].error_msg
 
 
+@pytest.mark.parametrize("field", ["stop_token_ids", "bad_words_token_ids", "logit_bias"])
+def test_out_of_vocabulary_parameter_ids_fail_only_that_request(llm, field):
+    vocab = llm.engine.vocab_size
+    bad = {"logits_processors_args": {"logit_bias": {vocab: 5.0}}} if field == "logit_bias" else {field: [vocab]}
+    good = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate([[5, 6], [7, 8]], [good, SamplingParams(max_tokens=3, **bad)], use_tqdm=False)
+    assert [o.error_code for o in outputs] == [200, 400]
+    assert field in outputs[1].error_msg and len(outputs[0].outputs.token_ids) == 3
+
+
 def test_max_tokens_is_cut_to_max_model_len(llm):
     out = llm.generate([list(range(3, 63))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                        use_tqdm=False)[0]

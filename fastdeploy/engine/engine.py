@@ -97,9 +97,11 @@ class LLMEngine:
             k = getattr(params, name)
             if k is not None and cfg.max_logprobs != -1 and (k == -1 or k > cfg.max_logprobs):
                 return f"{name}={k} is more than max_logprobs={cfg.max_logprobs}"
-        bad = [t for t in (params.stop_token_ids or []) + (params.bad_words_token_ids or []) if t >= self.vocab_size]
+        ids = (params.stop_token_ids or []) + (params.bad_words_token_ids or []) + list(params.logit_bias)
+        bad = [t for t in ids if t >= self.vocab_size]
         if bad:
-            return f"stop_token_ids and bad_words_token_ids must be < vocab size {self.vocab_size}, got {bad}"
+            return (f"stop_token_ids, bad_words_token_ids and logit_bias keys must be < vocab size {self.vocab_size}, "
+                    f"got {bad}")
         return None
 
     def add_request(self, request: Request) -> None:
