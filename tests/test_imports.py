@@ -32,8 +32,9 @@ def imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if node.level:  # relative: up level - 1 packages from this one
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
             for alias in node.names:  # `from pkg import module` depends on the module, else on pkg
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
     return {m for m in found if m in modules and m != name}

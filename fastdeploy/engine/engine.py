@@ -59,7 +59,8 @@ class LLMEngine:
         seed = [params.seed, sample] if params.seed is not None else [self.config.seed, number]
         request = Request(
             request_id=str(number), prompt_token_ids=list(prompt_token_ids), params=params, max_tokens=0,
-            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids, generator=np.random.default_rng(seed), metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            generator=np.random.default_rng(seed), metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
         if params.reasoning_max_tokens is not None and self.output_processor.reasoning_parser is None:
             raise ValueError("reasoning_max_tokens needs a thinking model run with reasoning_parser set on the LLM")
         self.output_processor.start(request, prompt, index, enable_thinking)

@@ -52,7 +52,8 @@ def banned_tokens(request: Request) -> list[int]:
     if request.bad_words:
         output = request.output_token_ids
         for seq in request.bad_words:
-            if len(seq) == 1 or (len(seq) - 1 <= len(output) and tuple(output[len(output) - len(seq) + 1:]) == seq[:-1]):
+            prefix = seq[:-1]
+            if not prefix or (len(prefix) <= len(output) and tuple(output[len(output) - len(prefix):]) == prefix):
                 banned.append(seq[-1])
     return banned
 
@@ -64,7 +65,8 @@ def sampling_batch(requests: list[Request]) -> SamplingBatch:
     def column(name: str, dtype: type) -> np.ndarray:
         return np.array([getattr(r.params, name) for r in requests], dtype=dtype)
 
-    temperature, top_p, top_k = column("temperature", np.float32), column("top_p", np.float32), column("top_k", np.int64)
+    temperature, top_p = column("temperature", np.float32), column("top_p", np.float32)
+    top_k = column("top_k", np.int64)
     uniforms = np.zeros(len(requests), dtype=np.float64)
     for i in np.flatnonzero(~greedy_rows(temperature, top_p, top_k)):
         uniforms[i] = requests[i].generator.random()
@@ -73,7 +75,8 @@ def sampling_batch(requests: list[Request]) -> SamplingBatch:
         repetition_penalty=column("repetition_penalty", np.float32),
         frequency_penalty=column("frequency_penalty", np.float32),
         presence_penalty=column("presence_penalty", np.float32),
-        prompt_token_ids=[r.prompt_token_ids for r in requests], output_token_ids=[r.output_token_ids for r in requests],
+        prompt_token_ids=[r.prompt_token_ids for r in requests],
+        output_token_ids=[r.output_token_ids for r in requests],
         banned_token_ids=[banned_tokens(r) for r in requests], uniforms=uniforms)
 
 

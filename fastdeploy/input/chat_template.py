@@ -14,7 +14,6 @@ import functools
 import json
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path

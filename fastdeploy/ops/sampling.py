@@ -24,7 +24,8 @@ PARAM_COLUMNS = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int
                  "presence_penalty": np.float32, "uniforms": np.float64, "greedy": bool}
 _COLUMN = {name: j for j, name in enumerate(PARAM_COLUMNS)}
 _TOKEN_LISTS = ("banned_token_ids", "prompt_token_ids", "output_token_ids")
-# What the kernel needs of the sampled rows' values to mean anything (`sample` checks them; `sample_batch` trusts its batch).
+# What the kernel needs of the sampled rows' values to mean anything (`sample` checks them; the
+# Sampler trusts its batch).
 _SAMPLED_ROW_CHECKS = (
     ("uniforms", lambda u: (u >= 0) & (u < 1), "in [0, 1)"),
     ("temperature", lambda t: t > 0, "> 0"),
@@ -141,19 +142,6 @@ def sample(logits: paddle.Tensor | np.ndarray, *, greedy: np.ndarray, uniforms: 
     return _run(lib, logits, table, ids, offsets, return_thresholds)
 
 
-def sample_batch(logits: paddle.Tensor | np.ndarray, batch: SamplingBatch) -> np.ndarray:
-    """`sample` for a SamplingBatch, trusting its values (SamplingParams validated them): one token per
-    row of the float32 logits [B, V]. The compiled op when built, else the numpy sampler."""
-    greedy = batch.greedy_mask()
-    lib = compiled(True)
-    if lib is None:
-        view = logits.numpy() if isinstance(logits, paddle.Tensor) else logits
-        return sample_numpy(view, batch, greedy, batch.uniforms)
-    table = np.column_stack([getattr(batch, name) if name != "greedy" else greedy for name in PARAM_COLUMNS])
-    ids, offsets = pack_token_ids(batch, logits.shape[1])
-    return _run(lib, logits, table.astype(np.float64), ids, offsets, False)
-
-
 def _run(lib: object, logits: paddle.Tensor | np.ndarray, table: np.ndarray, ids: np.ndarray, offsets: np.ndarray,
          return_thresholds: bool) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     if not isinstance(logits, paddle.Tensor) or not logits.place.is_cpu_place() or not logits.is_contiguous():
@@ -187,7 +175,8 @@ def _as_array(logits: paddle.Tensor | np.ndarray) -> np.ndarray:
 
 
 class Sampler:
-    """Samples a SamplingBatch (values trusted: validated when the requests were made) from logits."""
+    """Samples a SamplingBatch from logits: the compiled op when built (and `use_compiled`), else the
+    numpy sampler. The batch's values are trusted: SamplingParams validated them."""
 
     def __init__(self, use_compiled: bool = True) -> None:
         self.use_compiled = use_compiled
@@ -198,8 +187,12 @@ class Sampler:
         if len(batch) != view.shape[0]:
             raise ValueError(f"the batch has {len(batch)} rows (temperature, top_p, ...) but the logits have "
                              f"{view.shape[0]}")
-        if self.use_compiled:
-            # A float32 paddle tensor goes to the op as it is: wrapping the numpy view again costs time.
-            as_is = isinstance(logits, paddle.Tensor) and logits.dtype == paddle.float32
-            return sample_batch(logits if as_is else view, batch)
-        return sample_numpy(view, batch, batch.greedy_mask(), batch.uniforms, self._scratch)
+        greedy = batch.greedy_mask()
+        lib = compiled(self.use_compiled)
+        if lib is None:
+            return sample_numpy(view, batch, greedy, batch.uniforms, self._scratch)
+        table = np.column_stack([greedy if name == "greedy" else getattr(batch, name) for name in PARAM_COLUMNS])
+        ids, offsets = pack_token_ids(batch, view.shape[1])
+        # A float32 paddle tensor goes to the op as it is: wrapping the numpy view again costs time.
+        as_is = isinstance(logits, paddle.Tensor) and logits.dtype == paddle.float32
+        return _run(lib, logits if as_is else view, table.astype(np.float64), ids, offsets, False)

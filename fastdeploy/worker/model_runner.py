@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 import paddle
+from paddle import nn
 
 from fastdeploy import ops
 from fastdeploy.config import EngineConfig
@@ -21,8 +22,8 @@ from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
-from fastdeploy.worker import messages
 from fastdeploy.ops.sampling import Sampler
+from fastdeploy.worker import messages
 from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_sigint
 
@@ -91,7 +92,8 @@ class ModelRunner:
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
             self.sampler = Sampler()
             self.num_blocks = self._num_kv_blocks()
-            self._ask_workers(messages.AllocateKV(self.num_blocks))  # all ranks hold the same blocks, each its own heads
+            # All ranks hold the same blocks, each its own heads.
+            self._ask_workers(messages.AllocateKV(self.num_blocks))
         except BaseException:
             self.close()
             raise

@@ -17,8 +17,6 @@ import threading
 import traceback
 from typing import Any
 
-import numpy as np
-
 from fastdeploy.distributed import channel
 from fastdeploy.distributed.parallel_state import TPGroup, create_group, create_store, kv_heads_per_rank
 from fastdeploy.worker import messages

@@ -17,7 +17,7 @@ import paddle
 from paddle import nn
 
 from fastdeploy import ops
-from fastdeploy.distributed.parallel_state import SINGLE, TPGroup, current_tp
+from fastdeploy.distributed.parallel_state import TPGroup, current_tp
 from fastdeploy.model_executor.layers.linear import GatedMLP, Linear, Parts, _check_shape
 from fastdeploy.model_executor.layers.packed import PackedParameter, WeightSlot, add_slot
 
