@@ -37,29 +37,42 @@ def _check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+REQUIRED = dataclasses.MISSING
+
+
+def param(default: Any, doc: str) -> Any:
+    """A config field with its one-line description (the server's --flag help is generated from it)."""
+    return field(default=default, metadata={"help": doc})
+
+
 @dataclass
 class EngineConfig:
-    model: str
-    tokenizer: str | None = None
-    max_model_len: int = 2048
-    tensor_parallel_size: int = 1
-    block_size: int = 64
-    max_num_seqs: int = 8
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_ratio: float = 0.75
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = False
-    use_warmup: int = 0
-    engine_worker_queue_port: int = 8002
-    enable_mm: bool = False
-    limit_mm_per_prompt: dict[str, int] | None = None
-    reasoning_parser: str | None = None
-    quantization: str | None = None
-    seed: int = 0
-    chat_template: str | None = None
-    max_logprobs: int = 20
+    """Every LLM(...) parameter (and every server engine flag: the CLI is generated from these fields and
+    their `help`), validated once."""
+
+    model: str = param(REQUIRED, "local checkpoint directory (config.json, safetensors, tokenizer files)")
+    tokenizer: str | None = param(None, "tokenizer directory (default: the model's)")
+    max_model_len: int = param(2048, "prompt + output tokens per request")
+    tensor_parallel_size: int = param(1, "ranks the model is split across (this process and N-1 workers)")
+    block_size: int = param(64, "tokens per KV-cache block")
+    max_num_seqs: int = param(8, "requests running at once (1..256); the rest wait")
+    gpu_memory_utilization: float = param(0.9, "share of host memory for weights, activations and KV cache")
+    num_gpu_blocks_override: int | None = param(None, "exact number of KV blocks (skips the memory estimate)")
+    max_num_batched_tokens: int | None = param(
+        None, "token budget of one step (default: max_model_len, or 2048 with chunked prefill)")
+    kv_cache_ratio: float = param(0.75, "FastDeploy's older prompt/output block split; validated, not needed here")
+    enable_prefix_caching: bool = param(True, "reuse the KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = param(False, "compute a prompt longer than the step budget over several steps")
+    use_warmup: int = param(0, "1: run one full-budget forward at start-up")
+    engine_worker_queue_port: int = param(8002, "localhost port feeding steps to tensor-parallel workers")
+    enable_mm: bool = param(False, "multimodal models (not supported yet)")
+    limit_mm_per_prompt: dict[str, int] | None = param(None, 'JSON like {"image": 100, "video": 100}')
+    reasoning_parser: str | None = param(
+        None, "split thinking output into reasoning_content: ernie-x1, ernie-45-vl, qwen3")
+    quantization: str | None = param(None, "weight-only quantization while loading: wint8 or wint4")
+    seed: int = param(0, "engine-wide seed for unseeded requests")
+    chat_template: str | None = param(None, "Jinja chat template (string or file path) overriding the tokenizer's")
+    max_logprobs: int = param(20, "largest logprobs a request may ask for (-1: whole vocabulary)")
     model_config: ModelConfig = field(init=False, repr=False)
 
     @classmethod

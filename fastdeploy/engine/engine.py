@@ -77,6 +77,18 @@ class LLMEngine:
             request.prefix_leader = leader
         return request
 
+    def make_requests(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, first_index: int,
+                      start: float, enable_thinking: bool = True) -> list[Request]:
+        """The params.n samples of one prompt (indices first_index...); later ones reuse the first one's
+        cached prompt. `start`: when preprocessing began (time.time())."""
+        requests: list[Request] = []
+        for sample in range(params.n):
+            request = self.make_request(prompt, prompt_token_ids, params, first_index + sample, sample=sample,
+                                        enable_thinking=enable_thinking, leader=requests[0] if requests else None)
+            request.metrics.preprocess_cost_time = request.metrics.arrival_time - start
+            requests.append(request)
+        return requests
+
     def _room(self, request: Request) -> int:
         """Output tokens that fit after the prompt, in max_model_len and in the whole KV cache."""
         capacity = self.runner.num_blocks * self.config.block_size

@@ -4,65 +4,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Union
+from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import Request, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.entrypoints.prompts import normalize_conversations, normalize_prompts, render_chat, tokenize_prompt
 from fastdeploy.input.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-PromptType = Union[str, list[int], dict[str, Any]]
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "multimodal_data")
-
-
-def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and len(value) > 0 and all(
-        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in value)
-
-
-def normalize_prompts(prompts: Any) -> list[PromptType]:
-    """The accepted shapes of `prompts`, as a list with one entry per request."""
-    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)):
-        for p in prompts:
-            if not (isinstance(p, (str, dict)) or _is_token_ids(p)):
-                raise TypeError("prompts must be a str, a list of str, a list of token ids, a list of lists of "
-                                f"token ids, a dict or a list of dicts; got an element {p!r}")
-        return list(prompts)
-    raise TypeError(f"prompts must be a str, list or dict, got {type(prompts).__name__}")
-
-
-def normalize_conversations(messages: Any) -> list[list[dict[str, Any]]]:
-    if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
-        return [list(messages)]
-    if isinstance(messages, (list, tuple)) and all(
-            isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c) for c in messages):
-        return [list(c) for c in messages]
-    raise TypeError("messages must be one conversation (a list of {'role', 'content'} dicts) or a list of them")
-
-
-def _check_message(message: dict[str, Any]) -> dict[str, Any]:
-    """Text content parts are the template layer's business; media parts need multimodal support."""
-    if "role" not in message or "content" not in message:
-        raise ValueError(f"each message needs 'role' and 'content', got keys {sorted(message)}")
-    content = message["content"]
-    if isinstance(content, list):
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("image_url", "video_url", "image", "video"):
-                raise NotImplementedError(f"content parts of type {kind!r} need a multimodal model, "
-                                          "not supported yet")
-    elif content is not None and not isinstance(content, str):
-        raise TypeError(f"message content must be a str or a list of parts, got {type(content).__name__}")
-    return message
-
 
 class LLM:
     """Runs a local checkpoint in this process. See docs/offline_inference.md for the parameters."""
@@ -86,8 +39,8 @@ class LLM:
         requests = []
         for item, p in zip(items, params):
             start = time.time()
-            text, ids = self._tokenize(item)
-            requests.extend(self._make_requests(text, ids, p, start, len(requests)))
+            text, ids = tokenize_prompt(self.engine.tokenizer, item)
+            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start))
         return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -99,16 +52,12 @@ class LLM:
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         conversations = normalize_conversations(messages)
         params = self._params_per_prompt(sampling_params, len(conversations))
-        tokenizer = self.engine.tokenizer
         thinking = bool((chat_template_kwargs or {}).get("enable_thinking", True))
         requests = []
         for conversation, p in zip(conversations, params):
             start = time.time()
-            conversation = [_check_message(m) for m in conversation]
-            kwargs = dict(add_generation_prompt=True, chat_template=chat_template, **(chat_template_kwargs or {}))
-            text = tokenizer.apply_chat_template(conversation, **kwargs)
-            ids = tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
-            requests.extend(self._make_requests(text, ids, p, start, len(requests), thinking))
+            text, ids = render_chat(self.engine.tokenizer, conversation, chat_template_kwargs, chat_template)
+            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, thinking))
         return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
 
     # ---- helpers --------------------------------------------------------------------------
@@ -124,37 +73,6 @@ class LLM:
                                  "pass one SamplingParams or one per prompt")
             return list(sampling_params)
         raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
-
-    def _tokenize(self, item: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(item, str):
-            return item, self.engine.tokenizer.encode(item)
-        if isinstance(item, dict):
-            unknown = sorted(set(item) - set(PROMPT_KEYS))
-            if unknown:
-                raise ValueError(f"prompt dict keys must be among {list(PROMPT_KEYS)}, got {unknown}")
-            if item.get("multimodal_data"):
-                raise NotImplementedError("multimodal_data needs a multimodal model, not supported yet")
-            text, ids = item.get("prompt"), item.get("prompt_token_ids")
-            if ids is not None:
-                if not _is_token_ids(ids):
-                    raise TypeError("prompt_token_ids must be a non-empty list of ints")
-                return text, [int(t) for t in ids]
-            if not isinstance(text, str):
-                raise ValueError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of ints)")
-            return text, self.engine.tokenizer.encode(text)
-        return None, [int(t) for t in item]
-
-    def _make_requests(self, text: str | None, ids: list[int], params: SamplingParams, start: float,
-                       first_index: int, enable_thinking: bool = True) -> list[Request]:
-        """The params.n samples of one prompt; later ones reuse the first one's cached prompt."""
-        requests: list[Request] = []
-        for sample in range(params.n):
-            request = self.engine.make_request(text, ids, params, first_index + sample, arrival_time=time.time(),
-                                               sample=sample, enable_thinking=enable_thinking,
-                                               leader=requests[0] if requests else None)
-            request.metrics.preprocess_cost_time = request.metrics.arrival_time - start
-            requests.append(request)
-        return requests
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         for _ in self._steps(requests, use_tqdm):

@@ -1,0 +1,193 @@
+"""OpenAI-compatible API server on one engine (FastAPI + uvicorn):
+
+    python -m fastdeploy.entrypoints.openai.api_server --model PATH --port 8180 [--metrics-port 8181]
+
+POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics. Every client's
+requests join the same continuous batch, stepped by one background thread (engine_loop.py). On
+SIGTERM/SIGINT the server answers 503 to new calls, lets running ones finish for
+--timeout-graceful-shutdown seconds, aborts the rest, stops the tensor-parallel workers and exits 0.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, start_http_server
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.entrypoints.openai.cli_args import engine_config, make_parser
+from fastdeploy.entrypoints.openai.engine_loop import EngineLoop
+from fastdeploy.entrypoints.openai.metrics import ServerMetrics
+from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from fastdeploy.entrypoints.openai.serving import APIError, ServingContext
+from fastdeploy.entrypoints.openai.serving_chat import create_chat_completion
+from fastdeploy.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger("fastdeploy.api_server")
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+class Gatekeeper:
+    """ASGI middleware (pure, so streaming and client disconnects pass straight through): 503 while
+    shutting down, 401 on /v1 without one of the API keys."""
+
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str] | None):
+        self.app = app
+        self.api_keys = [f"Bearer {k}".encode() for k in api_keys or ()]
+        self.draining = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = None
+            if self.draining:
+                refusal = error_response(503, "the server is shutting down")
+            elif self.api_keys and scope["path"].startswith("/v1"):
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not any(hmac.compare_digest(given, key) for key in self.api_keys):
+                    refusal = error_response(401, "missing or wrong API key: send `Authorization: Bearer KEY`")
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    problems, param = [], None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+        param = param or (loc[0] if loc else None)
+        problems.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+    return "; ".join(problems), param
+
+
+def build_app(ctx: ServingContext, api_keys: Sequence[str] | None = None,
+              registry: CollectorRegistry | None = None) -> tuple[FastAPI, Gatekeeper]:
+    """The API app (and its gatekeeper, to switch to draining); /metrics from `registry` if given."""
+    app = FastAPI(title="FastDeploy OpenAI-compatible API", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(Exception)
+    async def internal(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return error_response(500, "internal server error")
+
+    async def serve(handler: Callable[..., Awaitable[Response]], body: Any, http: HTTPRequest) -> Response:
+        ctx.admit()
+        try:
+            response = await handler(ctx, body, http)
+        except BaseException:
+            ctx.release()
+            raise
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _released(response.body_iterator, ctx)
+        else:
+            ctx.release()
+        return response
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
+        return await serve(create_chat_completion, body, http)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
+        return await serve(create_completion, body, http)
+
+    created = int(time.time())
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": ctx.model_name, "object": "model", "created": created, "owned_by": "fastdeploy",
+            "root": ctx.engine.config.model, "max_model_len": ctx.engine.config.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.loop.failed:
+            return error_response(503, ctx.loop.failed)
+        return JSONResponse({"status": "ok"})
+
+    if registry is not None:
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    gate = Gatekeeper(app, api_keys)
+    return app, gate
+
+
+async def _released(body: AsyncIterator[Any], ctx: ServingContext) -> AsyncIterator[Any]:
+    try:
+        async for part in body:
+            yield part
+    finally:
+        ctx.release()
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gate: Gatekeeper):
+        super().__init__(config)
+        self.gate = gate
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.gate.draining = True
+        super().handle_exit(sig, frame)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config(args)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        parser.error(str(e))
+    engine = LLMEngine(config)
+    registry = CollectorRegistry()
+    loop = EngineLoop(engine, ServerMetrics(registry))
+    loop.start()
+    ctx = ServingContext(engine, loop, args.served_model_name or args.model, args.max_concurrency)
+    app, gate = build_app(ctx, args.api_key, registry if args.metrics_port is None else None)
+    if args.metrics_port is not None:
+        start_http_server(args.metrics_port, addr=args.host, registry=registry)
+    server = _Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=args.timeout_graceful_shutdown), gate)
+    # uvicorn re-raises the signal that stopped it once it is done; with these no-op handlers in place
+    # that ends nothing, and the process exits 0 after the cleanup below.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        loop.close()
+        engine.runner.close()
+    logger.info("server stopped")
+    if not server.started:
+        sys.exit(1)  # e.g. the port was taken
+
+
+if __name__ == "__main__":
+    main()

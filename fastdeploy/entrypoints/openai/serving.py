@@ -1,0 +1,161 @@
+"""What the chat and completion endpoints share: errors in OpenAI's shape, turning a request body into
+engine requests, waiting for their outputs (aborting them when the client goes away), SSE framing,
+usage and per-choice accumulation."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+
+from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.engine.request import Logprob, Request, RequestOutput
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.entrypoints.openai.engine_loop import EngineFailed, EngineLoop
+
+_DISCONNECT_POLL_S = 1.0  # a non-streaming call checks this often whether its client is still there
+
+
+class APIError(Exception):
+    """Answered as OpenAI's error object with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+@dataclass
+class ServingContext:
+    engine: LLMEngine
+    loop: EngineLoop
+    model_name: str
+    max_concurrency: int | None = None
+    in_flight: int = 0  # API calls being served (touched only on the event loop)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
+                           "model")
+
+    def admit(self) -> None:
+        if self.loop.failed:
+            raise APIError(503, f"the server cannot serve requests: {self.loop.failed}")
+        if self.max_concurrency is not None and self.in_flight >= self.max_concurrency:
+            raise APIError(429, f"the server is at --max-concurrency={self.max_concurrency}; retry later")
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+
+def sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
+    try:
+        return make()
+    except (ValueError, TypeError) as e:  # the messages start with the parameter's name
+        name = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), name if name.isidentifier() else None) from None
+
+
+def make_requests(ctx: ServingContext, prompts: Sequence[tuple[str | None, list[int]]], params: SamplingParams,
+                  start: float, enable_thinking: bool = True) -> list[Request]:
+    """The engine requests of one API call (n per prompt, indexed prompt by prompt); a prompt the engine
+    rejects (too long, ids out of range, ...) fails the whole call with its message."""
+    requests: list[Request] = []
+    try:
+        for text, ids in prompts:
+            requests += ctx.engine.make_requests(text, ids, params, len(requests), start, enable_thinking)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e)) from None
+    rejected = next((r for r in requests if r.error_code != 200), None)
+    if rejected is not None:
+        for request in requests:
+            ctx.engine.output_processor.release(request.request_id)
+        raise APIError(rejected.error_code, rejected.error_msg or "invalid request")
+    return requests
+
+
+async def request_outputs(ctx: ServingContext, requests: list[Request], http: HTTPRequest | None = None
+                          ) -> AsyncIterator[RequestOutput]:
+    """Every output delta of the requests until all are finished. If the caller stops listening (a
+    streaming client went away: the task is cancelled) or `http`'s client disconnects, the unfinished
+    requests are aborted and their KV blocks freed at the next step."""
+    queue = ctx.loop.submit(requests)
+    remaining = len(requests)
+    try:
+        while remaining:
+            try:
+                item = await asyncio.wait_for(queue.get(), _DISCONNECT_POLL_S) if http else await queue.get()
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    return
+                continue
+            if isinstance(item, EngineFailed):
+                raise APIError(500, item.message)
+            remaining -= item.finished
+            yield item
+    finally:
+        if remaining:
+            ctx.loop.abort(requests)
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(requests: Sequence[Request], n: int) -> dict[str, Any]:
+    """OpenAI's usage: prompt tokens counted once per prompt (not per sample), every sample's output."""
+    prompt = sum(r.num_prompt_tokens for r in requests[::n])
+    completion = sum(r.num_output_tokens for r in requests)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in requests[::n])}}
+
+
+def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k best of one position's logprob entry, best first (the entry may add the sampled token)."""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+                  key=lambda item: item[1].rank)[:k]
+
+
+@dataclass
+class Choice:
+    """One choice's output gathered from its deltas."""
+
+    text: str = ""
+    reasoning: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        out = output.outputs
+        self.text += out.text or ""
+        if out.reasoning_content is not None:
+            self.reasoning = (self.reasoning or "") + out.reasoning_content
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs or []
+        if output.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+async def gather(ctx: ServingContext, requests: list[Request], http: HTTPRequest) -> list[Choice]:
+    choices = [Choice() for _ in requests]
+    async for output in request_outputs(ctx, requests, http):
+        choices[output.outputs.index].add(output)
+    return choices

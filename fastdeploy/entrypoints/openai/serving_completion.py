@@ -1,0 +1,113 @@
+"""POST /v1/completions: whole responses and SSE streams, one or several prompts (text or token ids)."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from fastdeploy.engine.request import Logprob, Request
+from fastdeploy.entrypoints.openai.protocol import CompletionRequest
+from fastdeploy.entrypoints.openai.serving import (
+    SSE_DONE, APIError, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params, sse,
+    top_entries, usage)
+
+
+def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(text, ids) of each prompt: a str, a list of str, a list of token ids or a list of those."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt or any(len(p) == 0 for p in prompt):
+        raise APIError(400, "prompt must be a non-empty string, list of strings or list of token ids", "prompt")
+    tokenizer = ctx.engine.tokenizer
+    return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompt]
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int,
+                        offset: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs object; text_offset counts from `offset` characters into the choice's text."""
+    tokens, offsets = [], []
+    for t, entry in zip(token_ids, entries):
+        tokens.append(entry[t].decoded_token or "")
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in zip(token_ids, entries)],
+            "top_logprobs": [{lp.decoded_token or "": lp.logprob for _, lp in top_entries(e, k)} for e in entries],
+            "text_offset": offsets}
+
+
+async def create_completion(ctx: ServingContext, body: CompletionRequest, http: HTTPRequest) -> Response:
+    ctx.check_model(body.model)
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (it needs the prompt's logprobs)", "echo")
+    params = sampling_params(body.to_sampling_params)
+    start = time.time()
+    prompts = _prompts(ctx, body)
+    requests = make_requests(ctx, prompts, params, start)
+    echoes = [_echo(ctx, body, prompts[i // body.n]) for i in range(len(requests))]
+    call_id, created = new_id("cmpl"), now()
+    k = body.logprobs or 0
+    if body.stream:
+        return StreamingResponse(_stream(ctx, body, requests, echoes, call_id, created, k),
+                                 media_type="text/event-stream")
+    choices = await gather(ctx, requests, http)
+    response = {
+        "id": call_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+        "choices": [{
+            "index": i, "text": echoes[i] + c.text,
+            "logprobs": completion_logprobs(c.token_ids, c.logprobs, k, 0) if body.logprobs is not None else None,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            **_token_ids(body, requests[i], c.token_ids),
+        } for i, c in enumerate(choices)],
+        "usage": usage(requests, body.n),
+    }
+    return JSONResponse(response)
+
+
+def _echo(ctx: ServingContext, body: CompletionRequest, prompt: tuple[str | None, list[int]]) -> str:
+    if not body.echo:
+        return ""
+    text, ids = prompt
+    return text if text is not None else ctx.engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _token_ids(body: CompletionRequest, request: Request, completion: list[int]) -> dict[str, Any]:
+    if not body.return_token_ids:
+        return {}
+    return {"prompt_token_ids": request.prompt_token_ids, "completion_token_ids": completion}
+
+
+async def _stream(ctx: ServingContext, body: CompletionRequest, requests: list[Request], echoes: list[str],
+                  call_id: str, created: int, k: int) -> AsyncIterator[str]:
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return sse({"id": call_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+                    "choices": choices, **extra})
+
+    sent = [len(e) for e in echoes]  # characters of each choice's text sent so far (for text_offset)
+    try:
+        for i, echo in enumerate(echoes):
+            if echo:
+                yield chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
+        async for output in request_outputs(ctx, requests):
+            out = output.outputs
+            logprobs = None
+            if body.logprobs is not None and out.token_ids:
+                logprobs = completion_logprobs(out.token_ids, out.logprobs, k, sent[out.index])
+            if not out.text and logprobs is None and not output.finished:
+                continue  # text held back this step
+            sent[out.index] += len(out.text or "")
+            choice = {"index": out.index, "text": out.text or "", "logprobs": logprobs,
+                      "finish_reason": out.finish_reason if output.finished else None}
+            if output.finished:
+                choice["stop_reason"] = out.stop_reason
+            if body.return_token_ids:
+                choice["completion_token_ids"] = out.token_ids
+            yield chunk([choice])
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield chunk([], usage=usage(requests, body.n))
+    except APIError as e:
+        yield sse({"error": {"message": e.message, "type": "internal_server_error", "code": e.status}})
+    yield SSE_DONE

@@ -1,0 +1,87 @@
+"""Prompts and conversations as users pass them (LLM.generate / chat, the OpenAI server) -> prompt
+text and token ids."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import numpy as np
+
+from fastdeploy.input.tokenizer import Tokenizer
+
+PromptType = Union[str, list[int], dict[str, Any]]
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "multimodal_data")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in value)
+
+
+def normalize_prompts(prompts: Any) -> list[PromptType]:
+    """The accepted shapes of `prompts`, as a list with one entry per request."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        for p in prompts:
+            if not (isinstance(p, (str, dict)) or _is_token_ids(p)):
+                raise TypeError("prompts must be a str, a list of str, a list of token ids, a list of lists of "
+                                f"token ids, a dict or a list of dicts; got an element {p!r}")
+        return list(prompts)
+    raise TypeError(f"prompts must be a str, list or dict, got {type(prompts).__name__}")
+
+
+def normalize_conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+        return [list(messages)]
+    if isinstance(messages, (list, tuple)) and all(
+            isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c) for c in messages):
+        return [list(c) for c in messages]
+    raise TypeError("messages must be one conversation (a list of {'role', 'content'} dicts) or a list of them")
+
+
+def check_message(message: dict[str, Any]) -> dict[str, Any]:
+    """Text content parts are the template layer's business; media parts need multimodal support."""
+    if "role" not in message or "content" not in message:
+        raise ValueError(f"each message needs 'role' and 'content', got keys {sorted(message)}")
+    content = message["content"]
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_url", "video_url", "image", "video"):
+                raise NotImplementedError(f"content parts of type {kind!r} need a multimodal model, "
+                                          "not supported yet")
+    elif content is not None and not isinstance(content, str):
+        raise TypeError(f"message content must be a str or a list of parts, got {type(content).__name__}")
+    return message
+
+
+def tokenize_prompt(tokenizer: Tokenizer, item: PromptType) -> tuple[str | None, list[int]]:
+    """(prompt text, token ids) of one prompt in any accepted shape."""
+    if isinstance(item, str):
+        return item, tokenizer.encode(item)
+    if isinstance(item, dict):
+        unknown = sorted(set(item) - set(PROMPT_KEYS))
+        if unknown:
+            raise ValueError(f"prompt dict keys must be among {list(PROMPT_KEYS)}, got {unknown}")
+        if item.get("multimodal_data"):
+            raise NotImplementedError("multimodal_data needs a multimodal model, not supported yet")
+        text, ids = item.get("prompt"), item.get("prompt_token_ids")
+        if ids is not None:
+            if not _is_token_ids(ids):
+                raise TypeError("prompt_token_ids must be a non-empty list of ints")
+            return text, [int(t) for t in ids]
+        if not isinstance(text, str):
+            raise ValueError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of ints)")
+        return text, tokenizer.encode(text)
+    return None, [int(t) for t in item]
+
+
+def render_chat(tokenizer: Tokenizer, conversation: Sequence[Mapping[str, Any]],
+                chat_template_kwargs: Mapping[str, Any] | None = None,
+                chat_template: str | None = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of one conversation rendered with the chat template."""
+    messages = [check_message(m) for m in conversation]
+    kwargs = dict(add_generation_prompt=True, chat_template=chat_template, **(chat_template_kwargs or {}))
+    text = tokenizer.apply_chat_template(messages, **kwargs)
+    return text, tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
