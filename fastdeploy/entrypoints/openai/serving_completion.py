@@ -1,4 +1,5 @@
-"""POST /v1/completions: whole responses and SSE streams, one or several prompts (text or token ids)."""
+"""POST /v1/completions: whole responses and SSE streams, one or several prompts (text or token ids).
+With a reasoning parser, a choice's thinking part is in `reasoning_content`, as FastDeploy's."""
 from __future__ import annotations
 
 import time
@@ -57,7 +58,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, http: 
     response = {
         "id": call_id, "object": "text_completion", "created": created, "model": ctx.model_name,
         "choices": [{
-            "index": i, "text": echoes[i] + c.text,
+            "index": i, "text": echoes[i] + c.text, "reasoning_content": c.reasoning,
             "logprobs": completion_logprobs(c.token_ids, c.logprobs, k, 0) if body.logprobs is not None else None,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             **_token_ids(body, requests[i], c.token_ids),
@@ -96,11 +97,14 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, requests: list[R
             logprobs = None
             if body.logprobs is not None and out.token_ids:
                 logprobs = completion_logprobs(out.token_ids, out.logprobs, k, sent[out.index])
-            if not out.text and logprobs is None and not output.finished:
+            ids = body.return_token_ids and out.token_ids
+            if not (out.text or out.reasoning_content or logprobs or ids or output.finished):
                 continue  # text held back this step
             sent[out.index] += len(out.text or "")
             choice = {"index": out.index, "text": out.text or "", "logprobs": logprobs,
                       "finish_reason": out.finish_reason if output.finished else None}
+            if out.reasoning_content:
+                choice["reasoning_content"] = out.reasoning_content
             if output.finished:
                 choice["stop_reason"] = out.stop_reason
             if body.return_token_ids:
