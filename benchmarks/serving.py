@@ -147,8 +147,8 @@ def run_offline(args: argparse.Namespace, concurrency: int, prompts: list[list[i
     sys.path.insert(0, str(ROOT))
     from fastdeploy import LLM, SamplingParams
 
-    llm = LLM(model=args.offline, max_num_seqs=concurrency,
-              max_model_len=max(2048, args.prompt_len + args.output_len), **json.loads(args.offline_kwargs))
+    kwargs = {"max_model_len": max(2048, args.prompt_len + args.output_len), **json.loads(args.offline_kwargs)}
+    llm = LLM(model=args.offline, max_num_seqs=concurrency, **kwargs)
     llm.generate([warmup], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     n = len(prompts)

@@ -275,6 +275,9 @@ def test_every_llm_parameter_is_a_flag_with_the_same_default():
     args = make_parser().parse_args(["--model", "m", "--no-enable-prefix-caching", "--limit-mm-per-prompt",
                                      '{"image": 2}', "--max-num-seqs", "3"])
     assert (args.enable_prefix_caching, args.limit_mm_per_prompt, args.max_num_seqs) == (False, {"image": 2}, 3)
+    documented = (ROOT / "docs" / "online_serving.md").read_text()
+    flags = [o for a in make_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    assert [f for f in flags if f"`{f}`" not in documented] == []
     with pytest.raises(ValueError, match="model"):  # the same validation as LLM()
         engine_config(args)
     bad = subprocess.run([sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--model",

@@ -3,9 +3,10 @@
     python -m fastdeploy.entrypoints.openai.api_server --model PATH --port 8180 [--metrics-port 8181]
 
 POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics. Every client's
-requests join the same continuous batch, stepped by one background thread (engine_loop.py). On
-SIGTERM/SIGINT the server answers 503 to new calls, lets running ones finish for
---timeout-graceful-shutdown seconds, aborts the rest, stops the tensor-parallel workers and exits 0.
+requests join the same continuous batch, stepped by the engine loop on the main thread (engine_loop.py);
+uvicorn serves HTTP from a second thread. On SIGTERM/SIGINT the server answers 503 to new calls, lets
+running ones finish for --timeout-graceful-shutdown seconds, aborts the rest, stops the
+tensor-parallel workers and exits 0.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import hmac
 import logging
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -147,14 +149,11 @@ async def _released(body: AsyncIterator[Any], ctx: ServingContext) -> AsyncItera
         ctx.release()
 
 
-class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, gate: Gatekeeper):
-        super().__init__(config)
-        self.gate = gate
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        self.gate.draining = True
-        super().handle_exit(sig, frame)
+def _serve_http(server: uvicorn.Server, loop: EngineLoop) -> None:
+    try:
+        server.run()  # off the main thread uvicorn installs no signal handlers: main() routes them here
+    finally:
+        loop.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -168,21 +167,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = LLMEngine(config)
     registry = CollectorRegistry()
     loop = EngineLoop(engine, ServerMetrics(registry))
-    loop.start()
     ctx = ServingContext(engine, loop, args.served_model_name or args.model, args.max_concurrency)
     app, gate = build_app(ctx, args.api_key, registry if args.metrics_port is None else None)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host, registry=registry)
-    server = _Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=args.timeout_graceful_shutdown), gate)
-    # uvicorn re-raises the signal that stopped it once it is done; with these no-op handlers in place
-    # that ends nothing, and the process exits 0 after the cleanup below.
+    server = uvicorn.Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.timeout_graceful_shutdown))
+
+    def stop(sig: int, frame: Any) -> None:
+        gate.draining = True
+        server.handle_exit(sig, frame)  # uvicorn's own: graceful first, forced on a second signal
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, stop)
+    http = threading.Thread(target=_serve_http, args=(server, loop), name="fastdeploy-http")
+    http.start()
     try:
-        server.run()
+        loop.run()  # until the HTTP server has stopped
     finally:
         loop.close()
+        http.join()
         engine.runner.close()
     logger.info("server stopped")
     if not server.started:

@@ -1,8 +1,11 @@
-"""One engine for every client: a background thread steps the LLMEngine while there is work and hands
+"""One engine for every client: `EngineLoop.run()` steps the LLMEngine while there is work and hands
 each request's output deltas to the asyncio queue of the API call that made it.
 
-The thread sleeps on an event when idle (no polling); a new request or an abort wakes it. All text
-state (detokenizers, stream cursors) is touched by this thread only: the API handlers receive ready
+The server calls `run()` on the process's main thread and serves HTTP from another: the compiled ops'
+OpenMP teams are measured 1.6x slower when a second thread drives them (libgomp throttles its
+spin-waiting once it manages more threads than there are cores, so workers sleep between ops). The
+loop sleeps on an event when idle (no polling); a new request or an abort wakes it. All text state
+(detokenizers, stream cursors) is touched by this loop only: the API handlers receive ready
 RequestOutput deltas.
 """
 from __future__ import annotations
@@ -38,10 +41,6 @@ class EngineLoop:
         self._lock = threading.Lock()  # guards _queues
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fastdeploy-engine-loop", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
 
     @property
     def num_open(self) -> int:
@@ -71,13 +70,13 @@ class EngineLoop:
                 self.engine.abort_request(request.request_id)
         self._wake.set()
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self) -> None:
+        """Make run() return (from any thread)."""
         self._stop.set()
         self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Step the engine until close() (or until a step fails: then every open call gets the error)."""
         engine = self.engine
         while not self._stop.is_set():
             if not engine.has_unfinished():
@@ -101,12 +100,19 @@ class EngineLoop:
             target = self._queues.pop(request.request_id) if request.is_finished else \
                 self._queues.get(request.request_id)
         if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, output)
+            self._send(target, output)
+
+    @staticmethod
+    def _send(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item: object) -> None:
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the HTTP side has shut down: nobody is waiting
+            pass
 
     def _fail(self, message: str) -> None:
         self.failed = message
         with self._lock:
             targets, self._queues = list(self._queues.values()), {}
-        for loop, queue in targets:
-            loop.call_soon_threadsafe(queue.put_nowait, EngineFailed(message))
+        for target in targets:
+            self._send(target, EngineFailed(message))
