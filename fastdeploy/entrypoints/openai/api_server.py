@@ -79,8 +79,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def build_app(ctx: ServingContext, api_keys: Sequence[str] | None = None,
-              registry: CollectorRegistry | None = None) -> tuple[FastAPI, Gatekeeper]:
-    """The API app (and its gatekeeper, to switch to draining); /metrics from `registry` if given."""
+              registry: CollectorRegistry | None = None) -> Gatekeeper:
+    """The API app behind its gatekeeper (which also switches to draining); /metrics from `registry`
+    if given."""
     app = FastAPI(title="FastDeploy OpenAI-compatible API", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
@@ -137,8 +138,7 @@ def build_app(ctx: ServingContext, api_keys: Sequence[str] | None = None,
         async def metrics() -> Response:
             return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    gate = Gatekeeper(app, api_keys)
-    return app, gate
+    return Gatekeeper(app, api_keys)
 
 
 async def _released(body: AsyncIterator[Any], ctx: ServingContext) -> AsyncIterator[Any]:
@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     registry = CollectorRegistry()
     loop = EngineLoop(engine, ServerMetrics(registry))
     ctx = ServingContext(engine, loop, args.served_model_name or args.model, args.max_concurrency)
-    app, gate = build_app(ctx, args.api_key, registry if args.metrics_port is None else None)
+    gate = build_app(ctx, args.api_key, registry if args.metrics_port is None else None)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host, registry=registry)
     server = uvicorn.Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,

@@ -42,11 +42,6 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
 
-    @property
-    def num_open(self) -> int:
-        """Requests whose outputs are still owed to a client."""
-        return len(self._queues)
-
     def submit(self, requests: Sequence[Request]) -> asyncio.Queue:
         """Queue the requests (the n samples of one API call) for the next step; their RequestOutput
         deltas arrive on the returned queue, each request's last one with finished=True."""
