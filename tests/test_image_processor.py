@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from fastdeploy.input.image_processor import ImageProcessorConfig, preprocess_image, smart_resize
 
