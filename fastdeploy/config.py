@@ -140,7 +140,7 @@ class EngineConfig:
                              f"with non-negative int limits, got {self.limit_mm_per_prompt!r}")
 
     def _refuse_not_yet_supported(self) -> None:
-        if self.enable_mm or any("VL" in a or "Vl" in a for a in self.model_config.architectures):
+        if self.enable_mm:
             raise NotImplementedError("multimodal models (enable_mm) are not supported yet")
 
     @property

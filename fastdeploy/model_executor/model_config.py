@@ -83,6 +83,8 @@ class ModelConfig:
                 or not all(isinstance(a, str) for a in architectures)):
             raise ValueError(f"{config_file}: field 'architectures' must be a non-empty list of strings, "
                              f"got {architectures!r}")
+        if any("VL" in a or "Vl" in a for a in architectures):
+            raise NotImplementedError(f"{architectures[0]} is a multimodal model (enable_mm): not supported yet")
         hidden_size = reader.get_int("hidden_size")
         num_heads = reader.get_int("num_attention_heads")
         num_kv_heads = reader.get_int("num_key_value_heads", default=num_heads)
