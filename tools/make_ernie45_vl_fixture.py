@@ -54,8 +54,9 @@ from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe im
 )
 from transformers.models.ernie4_5_vl_moe.processing_ernie4_5_vl_moe import Ernie4_5_VLMoeProcessor
 from transformers.models.ernie4_5_vl_moe.video_processing_ernie4_5_vl_moe import Ernie4_5_VLMoeVideoProcessor
-from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
 from transformers.video_utils import VideoMetadata, load_video
+
+from make_tokenizer_reference import ErnieReferenceTokenizer  # tools/, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "tests" / "fixtures" / "models" / "ernie45_vl_tiny_hf"
@@ -222,22 +223,6 @@ def check_reload(model: torch.nn.Module, out: Path) -> Ernie4_5_VLMoeForConditio
 
 
 # -------------------------------------------------------------------------------------- tokenizer
-class ErnieReferenceTokenizer(SentencePieceBackend):
-    """transformers' sentencepiece tokenizer decoding special tokens the way ERNIE's does
-    (same as tools/make_tokenizer_reference.py)."""
-
-    def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        specials = set(self.all_special_tokens)
-        out, run = [], []
-        for token in tokens:
-            if token in specials:
-                out.append(self.sp_model.decode(run) + token)
-                run = []
-            else:
-                run.append(token)
-        return "".join(out) + self.sp_model.decode(run)
-
-
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
