@@ -5,6 +5,7 @@ SamplingParams itself, so the server and LLM.generate accept exactly the same ra
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict
@@ -17,30 +18,34 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_OFFLINE = {f.name: f.default for f in dataclasses.fields(SamplingParams)}  # the same defaults as LLM.generate
+
+
 class _SamplingFields(BaseModel):
-    """Fields both endpoints share, with FastDeploy's extras."""
+    """Fields both endpoints share: SamplingParams' own (same names and defaults), OpenAI's and
+    FastDeploy's extras."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    bad_words_token_ids: list[int] | None = None
-    max_tokens: int | None = None
-    min_tokens: int = 1
+    n: int = _OFFLINE["n"]
+    temperature: float | None = _OFFLINE["temperature"]
+    top_p: float | None = _OFFLINE["top_p"]
+    top_k: int = _OFFLINE["top_k"]
+    min_p: float = _OFFLINE["min_p"]
+    presence_penalty: float | None = _OFFLINE["presence_penalty"]
+    frequency_penalty: float | None = _OFFLINE["frequency_penalty"]
+    repetition_penalty: float | None = _OFFLINE["repetition_penalty"]
+    seed: int | None = _OFFLINE["seed"]
+    stop: str | list[str] | None = _OFFLINE["stop"]
+    stop_token_ids: list[int] | None = _OFFLINE["stop_token_ids"]
+    bad_words: list[str] | None = _OFFLINE["bad_words"]
+    bad_words_token_ids: list[int] | None = _OFFLINE["bad_words_token_ids"]
+    max_tokens: int | None = _OFFLINE["max_tokens"]
+    min_tokens: int = _OFFLINE["min_tokens"]
+    ignore_eos: bool = _OFFLINE["ignore_eos"]
+    include_stop_str_in_output: bool = _OFFLINE["include_stop_str_in_output"]
+    skip_special_tokens: bool = _OFFLINE["skip_special_tokens"]
     logit_bias: dict[str, float] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,15 +54,14 @@ class _SamplingFields(BaseModel):
     def sampling_params(self, logprobs: int | None, max_tokens: int | None, **extra: Any) -> SamplingParams:
         """The SamplingParams of this request (ValueError/TypeError naming the field when a value is out
         of range)."""
-        return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, bad_words=self.bad_words, bad_words_token_ids=self.bad_words_token_ids,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs, ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
-            logits_processors_args={"logit_bias": self.logit_bias} if self.logit_bias else None, **extra)
+        shared = {name: getattr(self, name) for name in _SHARED}
+        bias = {"logit_bias": self.logit_bias} if self.logit_bias else None
+        return SamplingParams(**shared, max_tokens=max_tokens, logprobs=logprobs, logits_processors_args=bias,
+                              **extra)
+
+
+# SamplingParams fields taken as they are (max_tokens and logprobs are mapped per endpoint).
+_SHARED = [name for name in _OFFLINE if name in _SamplingFields.model_fields and name not in ("max_tokens", "logprobs")]
 
 
 class ChatCompletionRequest(_SamplingFields):
