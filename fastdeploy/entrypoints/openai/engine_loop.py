@@ -50,11 +50,8 @@ class EngineLoop:
         with self._lock:
             for request in requests:
                 self._queues[request.request_id] = (loop, queue)
-        for request in requests:
-            if request.is_finished:  # rejected by make_request: its only output is the error
-                self._deliver(request)
-            else:
-                self.engine.add_request(request)
+        for request in requests:  # none is rejected: the caller answers those with the error itself
+            self.engine.add_request(request)
         self._wake.set()
         return queue
 
