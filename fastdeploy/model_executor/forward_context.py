@@ -55,10 +55,10 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     return [paddle.empty(shape, dtype="float32") for _ in range(num_layers)]
 
 
-def build_forward_context(query_lens: Sequence[int], context_lens: Sequence[int],
-                          block_tables: Sequence[Sequence[int]], block_size: int,
-                          kv_caches: Sequence[paddle.Tensor]) -> ForwardContext:
-    """query_lens[b] new tokens of request b are the last ones of its context_lens[b] tokens."""
+def attention_metadata(query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                       block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """query_lens[b] new tokens of request b are the last ones of its context_lens[b] tokens. Returns
+    int64 arrays: slot_mapping [T], query_start_loc [B+1], context_lens [B], block_tables [B, max_blocks]."""
     q_lens = np.asarray(query_lens, dtype=np.int64)
     c_lens = np.asarray(context_lens, dtype=np.int64)
     n_blocks = max(-(-int(c_lens.max()) // block_size), 1)
@@ -68,12 +68,20 @@ def build_forward_context(query_lens: Sequence[int], context_lens: Sequence[int]
         tables[b, :used] = table[:used]
     # Context position of every new token, then its slot through the request's block table.
     rows = np.repeat(np.arange(len(q_lens)), q_lens)
-    starts = np.concatenate([[0], np.cumsum(q_lens)])
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     positions = np.arange(int(q_lens.sum())) - starts[rows] + (c_lens - q_lens)[rows]
-    slot_mapping = tables[rows, positions // block_size] * block_size + positions % block_size
+    slot_mapping = (tables[rows, positions // block_size] * block_size + positions % block_size).astype(np.int64)
+    return slot_mapping, starts, c_lens, tables
+
+
+def build_forward_context(query_lens: Sequence[int], context_lens: Sequence[int],
+                          block_tables: Sequence[Sequence[int]], block_size: int,
+                          kv_caches: Sequence[paddle.Tensor]) -> ForwardContext:
+    """The context of a step (see attention_metadata) as tensors, with the cache layers."""
+    slot_mapping, starts, c_lens, tables = attention_metadata(query_lens, context_lens, block_tables, block_size)
     return ForwardContext(
-        slot_mapping=paddle.to_tensor(slot_mapping.astype(np.int64)),
-        query_start_loc=paddle.to_tensor(starts.astype(np.int64)),
+        slot_mapping=paddle.to_tensor(slot_mapping),
+        query_start_loc=paddle.to_tensor(starts),
         context_lens=paddle.to_tensor(c_lens),
         block_tables=paddle.to_tensor(tables),
         block_size=block_size,

@@ -24,6 +24,7 @@ from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
 from fastdeploy.ops.sampling import Sampler
 from fastdeploy.worker import messages
+from fastdeploy.worker.compiled_step import CompiledDecoder
 from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, TopLogprobs
 from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_sigint
 
@@ -80,6 +81,7 @@ class ModelRunner:
         start = time.perf_counter()
         # Tensor parallel: this process is rank 0; the workers load their shards while it loads its own.
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+        self.compiled: CompiledDecoder | None = None  # set once the KV cache exists
         self.tp = self.workers.tp if self.workers is not None else SINGLE
         ops.share_cores(self.tp.size)
         if self.workers is not None:
@@ -99,6 +101,8 @@ class ModelRunner:
             raise
         self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks, config.block_size,
                                             kv_heads_per_rank(mc.num_key_value_heads, self.tp.size), mc.head_dim)
+        self.compiled = (CompiledDecoder.build(self.model, self.kv_caches, config.block_size, config.max_model_len)
+                         if self.workers is None else None)
 
     def _ask_workers(self, message: object | None = None) -> list:
         """Send `message` to every worker (if given) and wait for each one's reply."""
@@ -173,6 +177,8 @@ class ModelRunner:
         return output
 
     def _forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
+        if self.compiled is not None:
+            return self.compiled.forward(inputs)
         if self.workers is None:
             return run_step(self.model, inputs, self.config.block_size, self.kv_caches)
         # Every rank runs the same forward; Ctrl-C waits until the step's collectives are done.

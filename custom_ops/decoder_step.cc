@@ -1,0 +1,274 @@
+// A whole forward step of the shared decoder (ERNIE-4.5 dense and MoE, Qwen2, Qwen3; one tensor-parallel
+// rank) in one call, made from Python through ctypes (fastdeploy/model_executor/compiled_step.py).
+//
+// It runs the kernels of the layer-by-layer Paddle path (models/decoder.py) in the same order on the same
+// inputs, so its logits and KV cache are the same bits; what it saves is the ~10 Paddle op dispatches
+// and the Python around them per layer, which at one stream cost more than the weights' streaming does.
+// ctypes releases the GIL for the call.
+#include <cstdint>
+#include <cstdlib>
+#include <chrono>
+#include <cstring>
+
+#include "fd_kernels.h"
+
+namespace fd {
+namespace {
+
+// Mirrors of the ctypes structures in compiled_step.py: keep the two in the same order.
+struct StepLayer {
+  const float* input_norm;
+  const float* post_norm;
+  MoeWeight qkv;
+  const float* qkv_bias;  // nullptr: none (and likewise for every bias below)
+  MoeWeight o;
+  const float* o_bias;
+  const float* q_norm;  // per-head RMSNorm weights [D] (Qwen3), or nullptr
+  const float* k_norm;
+  MoeWeight up_gate;  // dense MLP: [hidden, 2F] gate | up; w == nullptr for an MoE layer
+  const float* up_gate_bias;
+  MoeWeight down;
+  const float* down_bias;
+  MoeWeight router;  // MoE layer: router.w != nullptr
+  const float* correction_bias;
+  MoeWeight experts_up_gate, experts_down, shared_up_gate, shared_down;
+  int64_t num_experts, expert_start, local_experts, top_k;
+  float norm_min;
+  int32_t renormalize;
+  float* kv_cache;  // [2, S, KVH, D]
+};
+
+struct StepModel {
+  const StepLayer* layers;
+  int64_t num_layers, hidden, heads, kv_heads, head_dim, max_ffn, max_top_k, cache_slots, block_size;
+  float eps, attn_scale;
+  int32_t interleaved;
+  MoeWeight embedding;  // the packed table [hidden, vocab]
+  MoeWeight lm_head;    // [hidden, vocab]; the same bytes as embedding when tied
+  const float* final_norm;
+  const float* cos_table;  // [max_positions, D / 2]: row p is ops.rotary_cos_sin of position p
+  const float* sin_table;
+  int64_t max_positions;
+};
+
+struct StepBatch {
+  const int64_t* ids;        // [T]
+  const int64_t* positions;  // [T]
+  const int64_t* slots;      // [T]
+  const int64_t* q_start;    // [B + 1]
+  const int64_t* ctx_lens;   // [B]
+  const int64_t* blocks;     // [B, max_blocks]
+  const int64_t* logit_rows; // [R]
+  float* logits;             // [R, vocab]
+  int64_t T, B, max_blocks, R;
+};
+
+// Where a step's time goes (the benchmarks report the share outside the weight-streaming GEMMs). Keep in
+// the order of PHASES in compiled_step.py.
+enum Phase : int { kEmbed = 0, kNorm, kQkv, kRope, kAttention, kOut, kMlp, kActivation, kMoe, kHead, kPhases };
+
+// Activation buffers of one model, grown to the largest step seen and kept (a fresh allocation per step
+// would page-fault its way through megabytes at every prefill), and the time spent in each phase.
+struct Workspace {
+  float* data = nullptr;
+  int64_t size = 0;
+  double seconds[kPhases] = {};
+  ~Workspace() { std::free(data); }
+  float* reserve(int64_t floats) {
+    if (floats > size) {
+      std::free(data);
+      size = (floats + 15) / 16 * 16;
+      data = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(size) * sizeof(float)));
+    }
+    return data;
+  }
+};
+
+// Carves consecutive 64-byte aligned pieces out of one buffer.
+struct Carver {
+  float* base;
+  int64_t used = 0;
+  float* take(int64_t floats) {
+    float* p = base == nullptr ? nullptr : base + used;
+    used += (floats + 15) / 16 * 16;
+    return p;
+  }
+};
+
+// Adds the time since the last mark to a phase.
+struct Clock {
+  double* seconds;
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  void mark(Phase p) {
+    const auto now = std::chrono::steady_clock::now();
+    seconds[p] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
+void linear(const KernelTable& kt, const float* x, const MoeWeight& w, const float* bias, float* y, int64_t T) {
+  kt.linear(LinearArgs{x, w.w, w.scales, y, T, w.K, w.N, w.fmt});
+  if (bias != nullptr)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < w.N; ++n) y[t * w.N + n] += bias[n];
+}
+
+struct Buffers {
+  float *resid, *x, *y, *qkv, *q, *k, *v, *attn, *ug, *act, *cos, *sin, *rows_y, *rows_r, *moe_w;
+  int64_t* moe_ids;
+};
+
+// Lays the buffers out in `base` (nullptr: only counts); returns the floats needed.
+int64_t carve(const StepModel& m, int64_t T, int64_t R, float* base, Buffers* b) {
+  const int64_t H = m.hidden, D = m.head_dim, QD = m.heads * D, KD = m.kv_heads * D;
+  Carver c{base};
+  b->resid = c.take(T * H);
+  b->x = c.take(T * H);
+  b->y = c.take(T * H);
+  b->qkv = c.take(T * (QD + 2 * KD));
+  b->q = c.take(T * QD);
+  b->k = c.take(T * KD);
+  b->v = c.take(T * KD);
+  b->attn = c.take(T * QD);
+  b->ug = c.take(T * 2 * m.max_ffn);
+  b->act = c.take(T * m.max_ffn);
+  b->cos = c.take(T * D / 2);
+  b->sin = c.take(T * D / 2);
+  b->rows_y = c.take(R * H);
+  b->rows_r = c.take(R * H);
+  b->moe_w = c.take(T * m.max_top_k);
+  b->moe_ids = reinterpret_cast<int64_t*>(c.take(2 * T * m.max_top_k));
+  return c.used;
+}
+
+void attention_block(const KernelTable& kt, const StepModel& m, const StepLayer& L, const StepBatch& s,
+                     const Buffers& b, Clock& clock) {
+  const int64_t T = s.T, D = m.head_dim, QD = m.heads * D, KD = m.kv_heads * D, W = QD + 2 * KD;
+  linear(kt, b.x, L.qkv, L.qkv_bias, b.qkv, T);
+  clock.mark(kQkv);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = b.qkv + t * W;
+    std::memcpy(b.q + t * QD, row, QD * sizeof(float));
+    std::memcpy(b.k + t * KD, row + QD, KD * sizeof(float));
+    std::memcpy(b.v + t * KD, row + QD + KD, KD * sizeof(float));
+  }
+  if (L.q_norm != nullptr) {
+    kt.rms_norm(b.q, nullptr, L.q_norm, b.q, nullptr, T * m.heads, D, m.eps);
+    kt.rms_norm(b.k, nullptr, L.k_norm, b.k, nullptr, T * m.kv_heads, D, m.eps);
+  }
+  kt.rotary(b.q, b.k, b.cos, b.sin, T, m.heads, m.kv_heads, D, m.interleaved != 0);
+  clock.mark(kRope);
+  kt.attention(AttentionArgs{b.q, b.k, b.v, L.kv_cache, s.slots, s.q_start, s.ctx_lens, s.blocks, b.attn, T, s.B,
+                             m.heads, m.kv_heads, D, m.cache_slots, s.max_blocks, m.block_size, m.attn_scale});
+  clock.mark(kAttention);
+  linear(kt, b.attn, L.o, L.o_bias, b.y, T);
+  clock.mark(kOut);
+}
+
+void mlp_block(const KernelTable& kt, const StepLayer& L, int64_t T, int64_t H, const Buffers& b, Clock& clock) {
+  if (L.router.w == nullptr) {
+    const int64_t F = L.down.K;
+    linear(kt, b.x, L.up_gate, L.up_gate_bias, b.ug, T);
+    clock.mark(kMlp);
+    kt.silu_mul(b.ug, b.act, T, F);
+    clock.mark(kActivation);
+    linear(kt, b.act, L.down, L.down_bias, b.y, T);
+    clock.mark(kMlp);
+    return;
+  }
+  MoeArgs a{};
+  a.x = b.x;
+  a.router = L.router;
+  a.bias = L.correction_bias;
+  a.up_gate = L.experts_up_gate;
+  a.down = L.experts_down;
+  a.shared_up_gate = L.shared_up_gate;
+  a.shared_down = L.shared_down;
+  a.out = b.y;
+  a.ids = b.moe_ids;
+  a.weights = b.moe_w;
+  a.T = T;
+  a.H = H;
+  a.E = L.num_experts;
+  a.E_local = L.local_experts;
+  a.expert_start = L.expert_start;
+  a.top_k = L.top_k;
+  a.norm_min = L.norm_min;
+  a.renormalize = L.renormalize != 0;
+  kt.moe(a);
+  clock.mark(kMoe);
+}
+
+}  // namespace
+}  // namespace fd
+
+// Returns 0 on success, 1 for bad arguments, 2 when no kernels can run here. `workspace` comes from
+// fd_step_workspace_new and is used by one call at a time.
+extern "C" __attribute__((visibility("default"))) void* fd_step_workspace_new() { return new fd::Workspace(); }
+
+extern "C" __attribute__((visibility("default"))) void fd_step_workspace_free(void* ws) {
+  delete static_cast<fd::Workspace*>(ws);
+}
+
+extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::StepModel* mp, const fd::StepBatch* sp,
+                                                                      void* workspace) {
+  using namespace fd;
+  if (mp == nullptr || sp == nullptr || workspace == nullptr) return 1;
+  const StepModel& m = *mp;
+  const StepBatch& s = *sp;
+  const KernelTable* ktp = active_kernels();
+  if (ktp == nullptr) return 2;
+  const KernelTable& kt = *ktp;
+  const int64_t T = s.T, H = m.hidden, half = m.head_dim / 2;
+  if (T <= 0 || s.B <= 0 || s.R < 0) return 1;
+  for (int64_t t = 0; t < T; ++t)
+    if (s.positions[t] < 0 || s.positions[t] >= m.max_positions || s.ids[t] < 0 || s.ids[t] >= m.embedding.N) return 1;
+  for (int64_t r = 0; r < s.R; ++r)
+    if (s.logit_rows[r] < 0 || s.logit_rows[r] >= T) return 1;
+
+  Workspace& ws = *static_cast<Workspace*>(workspace);
+  Clock clock{ws.seconds};
+  Buffers b{};
+  const int64_t need = carve(m, T, s.R, nullptr, &b);
+  carve(m, T, s.R, ws.reserve(need), &b);
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(b.cos + t * half, m.cos_table + s.positions[t] * half, half * sizeof(float));
+    std::memcpy(b.sin + t * half, m.sin_table + s.positions[t] * half, half * sizeof(float));
+  }
+  packed_columns(m.embedding.w, m.embedding.scales, m.embedding.fmt, m.embedding.K, m.embedding.N, s.ids, T, b.resid);
+  clock.mark(kEmbed);
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    const StepLayer& L = m.layers[l];
+    // The residual add is folded into the next norm, as in the Paddle path.
+    if (l == 0) kt.rms_norm(b.resid, nullptr, L.input_norm, b.x, nullptr, T, H, m.eps);
+    else kt.rms_norm(b.y, b.resid, L.input_norm, b.x, b.resid, T, H, m.eps);
+    clock.mark(kNorm);
+    attention_block(kt, m, L, s, b, clock);
+    kt.rms_norm(b.y, b.resid, L.post_norm, b.x, b.resid, T, H, m.eps);
+    clock.mark(kNorm);
+    mlp_block(kt, L, T, H, b, clock);
+  }
+  if (s.R == 0) return 0;
+  // Only the rows that need logits go through the final norm (a row's norm does not depend on the others).
+  for (int64_t r = 0; r < s.R; ++r) {
+    const int64_t row = s.logit_rows[r];
+    std::memcpy(b.rows_y + r * H, b.y + row * H, H * sizeof(float));
+    std::memcpy(b.rows_r + r * H, b.resid + row * H, H * sizeof(float));
+  }
+  kt.rms_norm(b.rows_y, b.rows_r, m.final_norm, b.rows_y, b.rows_r, s.R, H, m.eps);
+  kt.linear(LinearArgs{b.rows_y, m.lm_head.w, m.lm_head.scales, s.logits, s.R, m.lm_head.K, m.lm_head.N,
+                       m.lm_head.fmt});
+  clock.mark(kHead);
+  return 0;
+}
+
+// Copies the seconds spent in each phase since the last call into out[0 .. kPhases) and restarts them.
+extern "C" __attribute__((visibility("default"))) int fd_step_phase_seconds(void* workspace, double* out) {
+  if (workspace == nullptr || out == nullptr) return 1;
+  double* seconds = static_cast<fd::Workspace*>(workspace)->seconds;
+  for (int p = 0; p < fd::kPhases; ++p) {
+    out[p] = seconds[p];
+    seconds[p] = 0.0;
+  }
+  return 0;
+}

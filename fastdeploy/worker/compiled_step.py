@@ -1,0 +1,196 @@
+"""The whole forward step of a decoder model in one compiled call (custom_ops/decoder_step.cc).
+
+`CompiledDecoder.build(model, ...)` describes a loaded `CausalLM` (ERNIE-4.5 dense or MoE, Qwen2, Qwen3)
+to the library once: pointers to its packed weights, norms, biases and KV cache layers, and a table of
+rotary cos/sin rows. Each `forward` then runs embedding, every layer, the final norm and the LM head
+without returning to Python. The kernels and their order are the layer-by-layer path's, so the logits
+and the KV cache are the same bits; what goes away is ~10 Paddle op dispatches per layer and the
+Python around them, which at one stream took longer than streaming the weights. The Paddle path
+stays the reference, and runs what this does not cover (tensor parallel, shared experts with biases,
+no compiled library).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import paddle
+from paddle import nn
+
+from fastdeploy import ops
+from fastdeploy.ops.build import OpsLibrary
+from fastdeploy.model_executor.forward_context import attention_metadata
+from fastdeploy.model_executor.layers.linear import GatedMLP
+from fastdeploy.model_executor.layers.moe import SparseMoE
+from fastdeploy.ops.quant import FORMATS, PackedWeight
+from fastdeploy.worker.step_types import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+_i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "int4": 1}
+# Where a step's time goes, as decoder_step.cc's Phase enum counts it (GEMMs: qkv, out, mlp, moe, head).
+PHASES = ("embed", "norm", "qkv", "rope", "attention", "out", "mlp", "activation", "moe", "head")
+
+
+# Mirrors of the structures in decoder_step.cc, field for field.
+class _Weight(ctypes.Structure):
+    _fields_ = [("w", _ptr), ("scales", _ptr), ("w_stride", _i64), ("s_stride", _i64), ("K", _i64), ("N", _i64),
+                ("fmt", ctypes.c_int)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Weight), ("qkv_bias", _ptr), ("o", _Weight),
+                ("o_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("up_gate", _Weight), ("up_gate_bias", _ptr),
+                ("down", _Weight), ("down_bias", _ptr), ("router", _Weight), ("correction_bias", _ptr),
+                ("experts_up_gate", _Weight), ("experts_down", _Weight), ("shared_up_gate", _Weight),
+                ("shared_down", _Weight), ("num_experts", _i64), ("expert_start", _i64), ("local_experts", _i64),
+                ("top_k", _i64), ("norm_min", _f32), ("renormalize", _i32), ("kv_cache", _ptr)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", ctypes.POINTER(_Layer)), ("num_layers", _i64), ("hidden", _i64), ("heads", _i64),
+                ("kv_heads", _i64), ("head_dim", _i64), ("max_ffn", _i64), ("max_top_k", _i64), ("cache_slots", _i64),
+                ("block_size", _i64), ("eps", _f32), ("attn_scale", _f32), ("interleaved", _i32),
+                ("embedding", _Weight), ("lm_head", _Weight), ("final_norm", _ptr), ("cos_table", _ptr),
+                ("sin_table", _ptr), ("max_positions", _i64)]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("ids", _ptr), ("positions", _ptr), ("slots", _ptr), ("q_start", _ptr), ("ctx_lens", _ptr),
+                ("blocks", _ptr), ("logit_rows", _ptr), ("logits", _ptr), ("T", _i64), ("B", _i64),
+                ("max_blocks", _i64), ("R", _i64)]
+
+
+def _address(t: paddle.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _weight(pw: PackedWeight | None) -> _Weight:
+    if pw is None:
+        return _Weight()
+    experts = max(pw.num_experts, 1)
+    quantized = pw.fmt in ("int8", "int4")
+    return _Weight(pw.data.data_ptr(), pw.scales.data_ptr() if quantized else None,
+                   int(np.prod(pw.data.shape)) // experts * _ELEMENT_BYTES[pw.fmt],
+                   int(np.prod(pw.scales.shape)) // experts if quantized else 0, pw.k, pw.n, FORMATS[pw.fmt])
+
+
+def unsupported_reason(model: nn.Layer) -> str | None:
+    """Why `model` must run layer by layer (None: the compiled step covers it)."""
+    decoder = getattr(model, "model", None)
+    if not hasattr(decoder, "layers") or not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} is not a decoder CausalLM"
+    if model.lm_head.tp.size != 1:
+        return "tensor parallel"
+    for layer in decoder.layers:
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoE):
+            shared = mlp.shared_experts
+            if shared is not None and (shared.up_gate_proj.bias is not None or shared.down_proj.bias is not None):
+                return "shared experts with biases"
+        elif not isinstance(mlp, GatedMLP):
+            return f"MLP {type(mlp).__name__}"
+    return None
+
+
+def _layer(layer: nn.Layer, kv_cache: paddle.Tensor) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    out = _Layer(input_norm=_address(layer.input_layernorm.weight), post_norm=_address(layer.post_attention_layernorm.weight),
+                 qkv=_weight(attn.qkv_proj.packed), qkv_bias=_address(attn.qkv_proj.bias), o=_weight(attn.o_proj.packed),
+                 o_bias=_address(attn.o_proj.bias), kv_cache=kv_cache.data_ptr())
+    if attn.q_norm is not None:
+        out.q_norm, out.k_norm = _address(attn.q_norm.weight), _address(attn.k_norm.weight)
+    if isinstance(mlp, GatedMLP):
+        out.up_gate, out.up_gate_bias = _weight(mlp.up_gate_proj.packed), _address(mlp.up_gate_proj.bias)
+        out.down, out.down_bias = _weight(mlp.down_proj.packed), _address(mlp.down_proj.bias)
+        return out
+    out.router, out.correction_bias = _weight(mlp.gate.packed), _address(mlp.moe_statics.e_score_correction_bias)
+    out.experts_up_gate, out.experts_down = _weight(mlp.experts.up_gate.value), _weight(mlp.experts.down.value)
+    if mlp.shared_experts is not None:
+        out.shared_up_gate = _weight(mlp.shared_experts.up_gate_proj.packed)
+        out.shared_down = _weight(mlp.shared_experts.down_proj.packed)
+    out.num_experts, out.expert_start, out.local_experts = mlp.num_experts, mlp.experts.start, mlp.experts.count
+    out.top_k, out.norm_min, out.renormalize = mlp.top_k, mlp.norm_min or 0.0, mlp.norm_min is not None
+    return out
+
+
+def _ffn_width(layer: nn.Layer) -> int:
+    mlp = layer.mlp
+    return mlp.down_proj.packed.k if isinstance(mlp, GatedMLP) else 0
+
+
+class CompiledDecoder:
+    """One model's compiled forward step; holds references to everything the library points into."""
+
+    def __init__(self, lib: OpsLibrary, model: nn.Layer, kv_caches: Sequence[paddle.Tensor],
+                 block_size: int, max_positions: int) -> None:
+        cfg, decoder = model.config, model.model
+        self._keep: list[Any] = [model, list(kv_caches)]
+        cos, sin = ops.rotary_cos_sin(paddle.arange(max_positions, dtype="int64"), cfg.head_dim, decoder.rotary.base)
+        self._keep += [cos, sin]
+        layers = [_layer(layer, cache) for layer, cache in zip(decoder.layers, kv_caches)]
+        self._layers = (_Layer * len(layers))(*layers)
+        attn = decoder.layers[0].self_attn
+        self._model = _Model(
+            layers=self._layers, num_layers=len(layers), hidden=cfg.hidden_size, heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, max_ffn=max(_ffn_width(l) for l in decoder.layers),
+            max_top_k=max((l.mlp.top_k for l in decoder.layers if isinstance(l.mlp, SparseMoE)), default=0),
+            cache_slots=int(kv_caches[0].shape[1]), block_size=block_size, eps=decoder.norm.eps,
+            attn_scale=attn.attn.scale, interleaved=decoder.rotary.interleaved,
+            embedding=_weight(decoder.embed_tokens.weight.value), lm_head=_weight(model.lm_head.packed),
+            final_norm=_address(decoder.norm.weight), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
+            max_positions=max_positions)
+        self.vocab = model.lm_head.packed.n
+        self._dll = ctypes.CDLL(str(lib.path))  # the library Paddle already loaded: same handle
+        self._step = self._dll.fd_decoder_step
+        self._step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch), _ptr]
+        self._step.restype = ctypes.c_int
+        new, self._free = self._dll.fd_step_workspace_new, self._dll.fd_step_workspace_free
+        new.restype, self._free.argtypes = _ptr, [_ptr]
+        self._phases = self._dll.fd_step_phase_seconds
+        self._phases.argtypes = [_ptr, _ptr]
+        self._workspace = new()
+
+    def __del__(self) -> None:
+        if getattr(self, "_workspace", None):
+            self._free(self._workspace)
+            self._workspace = None
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds spent in each phase of the steps since the last call (for benchmarks)."""
+        out = np.zeros(len(PHASES), dtype=np.float64)
+        self._phases(self._workspace, out.ctypes.data)
+        return dict(zip(PHASES, out.tolist()))
+
+    @classmethod
+    def build(cls, model: nn.Layer, kv_caches: Sequence[paddle.Tensor], block_size: int,
+              max_positions: int) -> CompiledDecoder | None:
+        """The compiled step for `model`, or None (logged) when it must run layer by layer."""
+        lib = ops.library()
+        reason = "the compiled ops are unavailable" if lib is None else unsupported_reason(model)
+        if reason is not None:
+            logger.info("forward runs layer by layer: %s", reason)
+            return None
+        return cls(lib, model, kv_caches, block_size, max_positions)
+
+    def forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
+        """The batch's forward pass (writing its K/V into the cache): logits [R, vocab] of `logit_rows`,
+        None when no row needs them."""
+        slots, starts, ctx_lens, tables = attention_metadata(inputs.query_lens, inputs.context_lens,
+                                                             inputs.block_tables, self._model.block_size)
+        ids = np.ascontiguousarray(inputs.token_ids, dtype=np.int64)
+        positions = np.ascontiguousarray(inputs.positions, dtype=np.int64)
+        rows = np.ascontiguousarray(inputs.logit_rows, dtype=np.int64)
+        logits = paddle.empty([len(rows), self.vocab], dtype="float32")
+        batch = _Batch(ids.ctypes.data, positions.ctypes.data, slots.ctypes.data, starts.ctypes.data,
+                       ctx_lens.ctypes.data, tables.ctypes.data, rows.ctypes.data,
+                       logits.data_ptr() if len(rows) else None, len(ids), len(ctx_lens), tables.shape[1], len(rows))
+        rc = self._step(ctypes.byref(self._model), ctypes.byref(batch), self._workspace)
+        if rc != 0:
+            raise ValueError(f"fd_decoder_step rejected the batch (code {rc}): a token id, position or logit row "
+                             f"is out of range")
+        return logits if len(rows) else None

@@ -1,0 +1,104 @@
+"""The compiled forward step (worker/compiled_step.py, custom_ops/decoder_step.cc) against the
+layer-by-layer Paddle path it replaces: same logits and same KV cache, bit for bit, for every model
+family, checkpoint layout and weight format, through prefill chunks, decode steps and mixed batches.
+(The layer path itself is checked against transformers by the parity tests.)"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy import ops
+from fastdeploy.model_executor.forward_context import allocate_kv_caches
+from fastdeploy.model_executor.load import load_model
+from fastdeploy.model_executor.model_config import ModelConfig
+from fastdeploy.worker.compiled_step import CompiledDecoder, unsupported_reason
+from fastdeploy.worker.model_runner import run_step
+from fastdeploy.worker.step_types import ForwardBatch
+
+MODELS = Path(__file__).parent / "fixtures" / "models"
+BLOCK = 16
+MAX_LEN = 128
+
+
+def schedule(model_vocab: int, seed: int) -> list[ForwardBatch]:
+    """Three requests: two prefill in chunks (one with logit rows for prompt logprobs), then decode
+    together while the third one's prompt arrives in the same steps."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, model_vocab, size=n).tolist() for n in (37, 20, 21)]
+    done, tables, steps = [0, 0, 0], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], []
+
+    def step(chunks: dict[int, list[int]], logit_rows: list[int]) -> ForwardBatch:
+        ids, pos, q, c, t = [], [], [], [], []
+        for r, toks in chunks.items():
+            ids += toks
+            pos += range(done[r], done[r] + len(toks))
+            done[r] += len(toks)
+            q.append(len(toks))
+            c.append(done[r])
+            t.append(tables[r])
+        return ForwardBatch(np.asarray(ids, np.int64), np.asarray(pos, np.int64), q, c, t,
+                            np.asarray(logit_rows, np.int64))
+
+    steps.append(step({0: prompts[0][:16], 1: prompts[1]}, [15, 35, 0, 3]))
+    steps.append(step({0: prompts[0][16:]}, [20]))
+    for i in range(4):
+        chunk = {0: [int(rng.integers(3, model_vocab))], 1: [int(rng.integers(3, model_vocab))]}
+        if i < 2:
+            chunk[2] = prompts[2][i * 11:(i + 1) * 11]
+        rows = [0, 1] + ([1 + len(chunk[2])] if i == 1 else [])
+        steps.append(step(chunk, rows))
+    steps.append(step({2: [5]}, []))  # a step without logits
+    return steps
+
+
+@pytest.mark.parametrize("quantization", [None, "wint8", "wint4"])
+@pytest.mark.parametrize("name", ["ernie45_tiny_hf", "ernie45_tiny_paddle", "ernie45_moe_tiny_hf",
+                                  "ernie45_moe_tiny_paddle", "qwen2_tiny", "qwen3_tiny"])
+def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> None:
+    model = load_model(ModelConfig.from_pretrained(MODELS / name), quantization=quantization)
+    cfg = model.config
+    assert unsupported_reason(model) is None
+
+    def caches() -> list[paddle.Tensor]:
+        out = allocate_kv_caches(cfg.num_hidden_layers, 12, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+        for c in out:
+            c.fill_(0.0)
+        return out
+
+    layer_caches, compiled_caches = caches(), caches()
+    compiled = CompiledDecoder.build(model, compiled_caches, BLOCK, MAX_LEN)
+    assert compiled is not None
+    for i, batch in enumerate(schedule(cfg.vocab_size, seed=len(name))):
+        expected = run_step(model, batch, BLOCK, layer_caches)
+        got = compiled.forward(batch)
+        if expected is None:
+            assert got is None
+            continue
+        np.testing.assert_array_equal(got.numpy(), expected.numpy(), err_msg=f"step {i} logits")
+    for layer, (a, b) in enumerate(zip(layer_caches, compiled_caches)):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=f"layer {layer} KV cache")
+
+
+def test_bad_batch_is_a_clear_error() -> None:
+    model = load_model(ModelConfig.from_pretrained(MODELS / "qwen2_tiny"))
+    cfg = model.config
+    kv = allocate_kv_caches(cfg.num_hidden_layers, 4, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    compiled = CompiledDecoder.build(model, kv, BLOCK, MAX_LEN)
+    for ids, positions, rows in (([cfg.vocab_size], [0], [0]), ([1], [MAX_LEN], [0]), ([1], [0], [1])):
+        batch = ForwardBatch(np.asarray(ids, np.int64), np.asarray(positions, np.int64), [1], [1], [[0]],
+                             np.asarray(rows, np.int64))
+        with pytest.raises(ValueError, match="out of range"):
+            compiled.forward(batch)
+
+
+def test_used_by_the_runner_and_not_under_tensor_parallel() -> None:
+    from fastdeploy import LLM
+    assert ops.library() is not None
+    llm = LLM(model=str(MODELS / "ernie45_moe_tiny_hf"), max_model_len=MAX_LEN)
+    assert llm.engine.runner.compiled is not None
+    model = load_model(ModelConfig.from_pretrained(MODELS / "qwen3_tiny"))
+    model.lm_head.tp = type(model.lm_head.tp)(rank=0, size=2)  # as a rank of two would be built
+    assert unsupported_reason(model) == "tensor parallel"
