@@ -342,6 +342,39 @@ def test_sampler_runs_the_compiled_op_by_default_and_both_paths_agree(monkeypatc
     assert Sampler().use_compiled
 
 
+def test_plain_greedy_batches_skip_the_op_with_the_same_tokens(monkeypatch):
+    """All rows greedy without bans or penalties: numpy's argmax instead of the op, same tokens (first
+    maximum on ties, first NaN), and the op again as soon as one row bans or penalises."""
+    calls = []
+    compiled = sampling_mod._run
+    monkeypatch.setattr(sampling_mod, "_run", lambda *a, **k: calls.append(1) or compiled(*a, **k))
+    rng = np.random.default_rng(9)
+    logits = np.round(rng.normal(size=(6, 1001)), 1).astype(np.float32)  # many ties
+    logits[3, [17, 400]] = np.nan
+    logits[4] = -np.inf
+    batch = SamplingBatch.from_lists(6, temperature=0.0)
+    batch.prompt_token_ids = [[5, 6]] * 6
+    batch.output_token_ids = [[7]] * 6
+    fast = Sampler()(paddle.to_tensor(logits), batch)
+    assert calls == []
+    expected = ops.sample(paddle.to_tensor(logits), greedy=np.ones(6, bool), uniforms=np.zeros(6),
+                          temperature=np.zeros(6, np.float32), top_k=np.zeros(6, np.int64),
+                          top_p=np.ones(6, np.float32), min_p=np.zeros(6, np.float32),
+                          repetition_penalty=np.ones(6, np.float32), frequency_penalty=np.zeros(6, np.float32),
+                          presence_penalty=np.zeros(6, np.float32), token_ids=np.zeros(0, np.int64),
+                          token_offsets=np.zeros(19, np.int64))
+    np.testing.assert_array_equal(fast, expected)
+    assert fast[3] == 17 and fast[4] == 0
+    calls.clear()
+    batch.repetition_penalty = np.full(6, 1.2, np.float32)
+    Sampler()(paddle.to_tensor(logits), batch)
+    assert calls == [1]
+    batch.repetition_penalty = np.ones(6, np.float32)
+    batch.banned_token_ids = [[]] * 5 + [[3]]
+    Sampler()(paddle.to_tensor(logits), batch)
+    assert calls == [1, 1]
+
+
 def test_pack_token_ids_takes_lists_or_arrays():
     lists = dict(banned_token_ids=[[3], []], prompt_token_ids=[[1, 2, 2], [4]], output_token_ids=[[5], [6, 6]])
     kwargs = dict(repetition_penalty=[1.2, 1.0], frequency_penalty=[0.0, 0.5], uniforms=[0.0] * 2)

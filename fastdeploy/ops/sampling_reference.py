@@ -63,6 +63,15 @@ class SamplingBatch:
     def greedy_mask(self) -> np.ndarray:
         return greedy_rows(self.temperature, self.top_p, self.top_k)
 
+    def untouched_logits(self) -> bool:
+        """No row bans a token or applies a penalty (each penalty is off or has no tokens to act on)."""
+        if any(len(ids) for ids in self.banned_token_ids):
+            return False
+        outputs = np.array([len(ids) > 0 for ids in self.output_token_ids], dtype=bool)
+        context = outputs | np.array([len(ids) > 0 for ids in self.prompt_token_ids], dtype=bool)
+        return not (((self.repetition_penalty != 1) & context).any()
+                    or (((self.frequency_penalty != 0) | (self.presence_penalty != 0)) & outputs).any())
+
     @classmethod
     def from_lists(
         cls,
