@@ -1,12 +1,12 @@
 """ERNIE-4.5-VL inputs that work today, against transformers' records for the tiny VL fixture
-(tools/make_ernie45_vl_fixture.py): the chat template with image and video parts, and the refusal of the
-model itself until it is supported."""
+(tools/make_ernie45_vl_fixture.py): the chat template with image and video parts, and what LLM does with
+a VL checkpoint until the engine passes images (text prompts exactly, media parts refused)."""
 import json
 from pathlib import Path
 
 import pytest
 
-from fastdeploy import LLM
+from fastdeploy import LLM, SamplingParams
 from fastdeploy.input.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -32,6 +32,14 @@ def test_text_only_prompt_tokenizes_as_the_reference(tokenizer):
     assert tokenizer.encode(case["prompt"], add_special_tokens=False) == case["input_ids"]
 
 
-def test_the_vl_model_is_refused_clearly_until_supported():
-    with pytest.raises(NotImplementedError, match="multimodal"):
-        LLM(model=str(VL))
+def test_llm_serves_text_prompts_and_refuses_media_until_the_engine_integration():
+    """The engine passes one position row and no token types: exact for text-only prompts (rope_delta 0,
+    every token text). Images and videos need the engine integration (issue 13) and are refused."""
+    case = next(c for c in REF["cases"] if c["name"] == "text_only")
+    llm = LLM(model=str(VL))
+    params = SamplingParams(temperature=0, max_tokens=len(case["output_token_ids"]), ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": case["input_ids"]}], params, use_tqdm=False)
+    assert out[0].outputs.token_ids == case["output_token_ids"]
+    image = next(c for c in REF["cases"] if c["name"] == "one_image")
+    with pytest.raises(NotImplementedError, match="image_url"):
+        llm.chat(image["messages"], params, use_tqdm=False)

@@ -12,7 +12,10 @@ memory-mapped file straight into its packed form (only this tensor-parallel rank
 in file order, its pages read ahead before and released after.
 A model may list `ignored_checkpoint_patterns` (regexes of tensors it does not use, e.g. ERNIE's
 multi-token-prediction head) and mark parameters `optional_in_checkpoint` (kept at their initial
-value when the checkpoint lacks them, as transformers does).
+value when the checkpoint lacks them, as transformers does). A model with a part that has its own
+loader (ERNIE-4.5-VL's vision encoder) names that part's tensors with `separately_loaded(name)`; they
+are left out of the plan, and `load_separately(checkpoint, quantization, available_bytes)` loads them
+once the rest is filled.
 """
 from __future__ import annotations
 
@@ -125,7 +128,8 @@ class LoadPlan:
 def plan_loading(model: nn.Layer, checkpoint: Checkpoint) -> LoadPlan:
     """Match the checkpoint to the model (raising on unexpected or missing tensors) and record how the
     tensors filling each packed weight are stored, which decides its format."""
-    names = list(checkpoint.tensors)
+    separately = getattr(model, "separately_loaded", None)
+    names = [n for n in checkpoint.tensors if separately is None or not separately(n)]
     params = loadable(model)
     paddle_prefix = getattr(model, "paddle_prefix", None)
     paddle_named = bool(paddle_prefix) and any(n.startswith(paddle_prefix) for n in names)
@@ -191,6 +195,8 @@ def load_weights(model: nn.Layer, checkpoint: Checkpoint, quantization: str | No
     for weight in weights:
         weight.allocate(weight.format_for(quantization))
     fill_weights(plan, checkpoint, progress)
+    if hasattr(model, "load_separately"):
+        model.load_separately(checkpoint, quantization, available_bytes)
     return plan.layout
 
 

@@ -4,6 +4,8 @@ Both the HF layout (`-PT` repos, transformers' save_pretrained) and the Paddle l
 describe the model with the same field names; they differ in where the dtype (`torch_dtype` or `dtype`)
 and the rotary base (top-level `rope_theta` or `rope_parameters.rope_theta`) are written. Fields only one
 architecture has (MoE routing, q/k norms) are read by its model class through `ModelConfig.fields()`.
+ERNIE-4.5-VL's text fields may be nested in `text_config`; its multimodal settings are parsed into
+`multimodal` (ernie4_5_vl_config.py).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from fastdeploy.model_executor.ernie4_5_vl_config import Ernie45VLConfig, is_ernie_vl, text_view
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,8 @@ class ModelConfig:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     # The whole config.json, for model-specific fields (MoE, multimodal) that later models read.
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    # ERNIE-4.5-VL: experts per modality, 3-D rotary split, special tokens (None for text-only models).
+    multimodal: Ernie45VLConfig | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
@@ -76,19 +82,21 @@ class ModelConfig:
         assert raw is not None
         gen_file = os.path.join(model_path, GENERATION_CONFIG_FILE)
         gen = _read_json(gen_file, required=False) or {}
-        reader = FieldReader(raw, config_file)
 
         architectures = raw.get("architectures")
         if (not isinstance(architectures, list) or not architectures
                 or not all(isinstance(a, str) for a in architectures)):
             raise ValueError(f"{config_file}: field 'architectures' must be a non-empty list of strings, "
                              f"got {architectures!r}")
-        if any("VL" in a or "Vl" in a for a in architectures):
+        multimodal = is_ernie_vl(architectures)
+        if not multimodal and any("VL" in a or "Vl" in a for a in architectures):
             raise NotImplementedError(f"{architectures[0]} is a multimodal model (enable_mm): not supported yet")
+        text = text_view(raw)  # ERNIE-4.5-VL (transformers) nests the text model's fields in text_config
+        reader = FieldReader(text, config_file)
         hidden_size = reader.get_int("hidden_size")
         num_heads = reader.get_int("num_attention_heads")
         num_kv_heads = reader.get_int("num_key_value_heads", default=num_heads)
-        if hidden_size % num_heads and "head_dim" not in raw:
+        if hidden_size % num_heads and "head_dim" not in text:
             raise ValueError(f"{config_file}: 'hidden_size' ({hidden_size}) is not a multiple of "
                              f"'num_attention_heads' ({num_heads}) and 'head_dim' is not given")
         head_dim = reader.get_int("head_dim", default=hidden_size // num_heads)
@@ -97,30 +105,32 @@ class ModelConfig:
                              f"'num_key_value_heads' ({num_kv_heads})")
 
         eos_source, eos_value = (gen_file, gen["eos_token_id"]) if gen.get("eos_token_id") is not None \
-            else (config_file, raw.get("eos_token_id"))
+            else (config_file, text.get("eos_token_id"))
+        num_layers = reader.get_int("num_hidden_layers")
         return cls(
             model_path=model_path,
             architectures=list(architectures),
             hidden_size=hidden_size,
             intermediate_size=reader.get_int("intermediate_size"),
-            num_hidden_layers=reader.get_int("num_hidden_layers"),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             vocab_size=reader.get_int("vocab_size"),
             max_position_embeddings=reader.get_int("max_position_embeddings"),
             rms_norm_eps=reader.get_float("rms_norm_eps", default=1e-6),
-            rope_theta=_rope_theta(raw, reader),
+            rope_theta=_rope_theta(text, reader),
             tie_word_embeddings=reader.get_bool("tie_word_embeddings",
-                                                default=raw.get("model_type") not in _UNTIED_BY_DEFAULT),
+                                                default=text.get("model_type") not in _UNTIED_BY_DEFAULT),
             use_bias=reader.get_bool("use_bias", default=False),
             hidden_act=reader.get_str("hidden_act", default="silu"),
-            dtype=_dtype(raw, config_file),
+            dtype=_dtype(text, config_file),
             bos_token_id=reader.get_optional_int("bos_token_id"),
             eos_token_ids=_token_ids(eos_value, eos_source),
             pad_token_id=reader.get_optional_int("pad_token_id"),
             generation_defaults=_generation_defaults(gen, gen_file),
             hf_config=raw,
+            multimodal=Ernie45VLConfig.from_hf_config(raw, config_file, num_layers, head_dim) if multimodal else None,
         )
 
     def fields(self) -> FieldReader:
