@@ -86,6 +86,8 @@ def unsupported_reason(model: nn.Layer) -> str | None:
         return f"{type(model).__name__} is not a decoder CausalLM"
     if model.lm_head.tp.size != 1:
         return "tensor parallel"
+    if getattr(model.config, "multimodal", None) is not None:
+        return "multimodal model (3-D positions, vision rows)"
     for layer in decoder.layers:
         mlp = layer.mlp
         if isinstance(mlp, SparseMoE):
