@@ -65,8 +65,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = param(False, "compute a prompt longer than the step budget over several steps")
     use_warmup: int = param(0, "1: run one full-budget forward at start-up")
     engine_worker_queue_port: int = param(8002, "localhost port feeding steps to tensor-parallel workers")
-    enable_mm: bool = param(False, "multimodal models (not supported yet)")
+    enable_mm: bool = param(False, "multimodal models (accepted; ERNIE-4.5-VL takes media whether set or not)")
     limit_mm_per_prompt: dict[str, int] | None = param(None, 'JSON like {"image": 100, "video": 100}')
+    mm_processor_kwargs: dict[str, Any] | None = param(
+        None, 'JSON like {"image_max_pixels": 401408, "video_max_frames": 30}')
     reasoning_parser: str | None = param(
         None, "split thinking output into reasoning_content: ernie-x1, ernie-45-vl, qwen3")
     quantization: str | None = param(None, "weight-only quantization while loading: wint8 or wint4")
@@ -140,8 +142,10 @@ class EngineConfig:
                              f"with non-negative int limits, got {self.limit_mm_per_prompt!r}")
 
     def _refuse_not_yet_supported(self) -> None:
-        if self.enable_mm:
-            raise NotImplementedError("multimodal models (enable_mm) are not supported yet")
+        if self.enable_mm and self.model_config.multimodal is None:
+            raise ValueError(f"enable_mm=True needs a multimodal model; {self.model} is text-only")
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs must be a dict, got {self.mm_processor_kwargs!r}")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -67,8 +67,8 @@ def test_model_must_be_a_directory(tmp_path):
         LLM(model=str(tmp_path / "missing"))
 
 
-def test_not_yet_supported_parameters_refuse_loudly(tiny_hf):
-    with pytest.raises(NotImplementedError, match="enable_mm"):
+def test_enable_mm_needs_a_multimodal_model(tiny_hf):
+    with pytest.raises(ValueError, match="enable_mm"):
         LLM(model=tiny_hf, enable_mm=True)
 
 

@@ -24,6 +24,12 @@ def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent_hash, tokens))
 
 
+def root_hash(request: Request) -> int | None:
+    """The parent hash of a request's first block: its media's content hash (images / videos), so prompts
+    whose tokens match but whose pixels differ never share a block."""
+    return None if request.mm is None else hash(("mm", request.mm.content_hash))
+
+
 class BlockManager:
     """Owns the pool and each request's block table (by request id); hashes live on the blocks."""
 
@@ -52,7 +58,7 @@ class BlockManager:
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return []  # prompt logprobs need every prompt position computed
         hits: list[int] = []
-        parent = None
+        parent = root_hash(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
             tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -105,7 +111,7 @@ class BlockManager:
         table = self._tables[request.request_id]
         num_full = request.num_computed_tokens // self.block_size
         done = self._num_hashed.get(request.request_id, 0)
-        parent = self.blocks[table[done - 1]].block_hash if done else None
+        parent = self.blocks[table[done - 1]].block_hash if done else root_hash(request)
         for i in range(done, num_full):
             tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
             parent = chain_hash(parent, tokens)

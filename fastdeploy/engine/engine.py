@@ -17,6 +17,7 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.engine.request import Request, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import ScheduledStep, Scheduler
+from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.output.output_processor import OutputProcessor
 from fastdeploy.reasoning.parsers import get_reasoning_parser
@@ -51,7 +52,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def make_request(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, index: int,
                      arrival_time: float | None = None, sample: int = 0, enable_thinking: bool = True,
-                     leader: Request | None = None) -> Request:
+                     leader: Request | None = None, mm: MultimodalInputs | None = None) -> Request:
         """A Request; problems with this one request are recorded on it (error_code 400).
         `sample` numbers the n samples of one prompt; each draws from its own generator."""
         number = next(self._ids)
@@ -60,7 +61,8 @@ class LLMEngine:
         request = Request(
             request_id=str(number), prompt_token_ids=list(prompt_token_ids), params=params, max_tokens=0,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            generator=np.random.default_rng(seed), metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
+            generator=np.random.default_rng(seed), metrics=RequestMetrics(arrival_time=arrival_time or time.time()),
+            mm=mm)
         if params.reasoning_max_tokens is not None and self.output_processor.reasoning_parser is None:
             raise ValueError("reasoning_max_tokens needs a thinking model run with reasoning_parser set on the LLM")
         self.output_processor.start(request, prompt, index, enable_thinking)
@@ -78,13 +80,15 @@ class LLMEngine:
         return request
 
     def make_requests(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, first_index: int,
-                      start: float, enable_thinking: bool = True) -> list[Request]:
+                      start: float, enable_thinking: bool = True, mm: MultimodalInputs | None = None
+                      ) -> list[Request]:
         """The params.n samples of one prompt (indices first_index...); later ones reuse the first one's
         cached prompt. `start`: when preprocessing began (time.time())."""
         requests: list[Request] = []
         for sample in range(params.n):
             request = self.make_request(prompt, prompt_token_ids, params, first_index + sample, sample=sample,
-                                        enable_thinking=enable_thinking, leader=requests[0] if requests else None)
+                                        enable_thinking=enable_thinking, leader=requests[0] if requests else None,
+                                        mm=mm)
             request.metrics.preprocess_cost_time = request.metrics.arrival_time - start
             requests.append(request)
         return requests
@@ -182,4 +186,8 @@ class LLMEngine:
             self.output_processor.release(request.request_id)
 
     def make_output(self, request: Request, delta: bool = False) -> RequestOutput:
-        return self.output_processor.make_output(request, delta)
+        output = self.output_processor.make_output(request, delta)
+        if request.mm is not None:
+            output.num_input_image_tokens = request.mm.num_image_tokens
+            output.num_input_video_tokens = request.mm.num_video_tokens
+        return output

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +61,8 @@ class RequestOutput:
     error_code: int = 200
     error_msg: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_input_image_tokens: int = 0  # image placeholder tokens in the prompt
+    num_input_video_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -86,6 +89,7 @@ class Request:
     bad_words: list[tuple[int, ...]] = field(default_factory=list)  # banned token sequences
     forced_tokens: list[int] = field(default_factory=list)  # emitted next instead of sampling
     prefix_leader: Request | None = None  # a sibling (n > 1) whose prompt blocks this one reuses
+    mm: MultimodalInputs | None = None  # ERNIE-4.5-VL: the prompt's media, positions and token types
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -24,7 +24,8 @@ import numpy as np
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestStatus
 from fastdeploy.ops.sampling_reference import SamplingBatch, greedy_rows
-from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput
+from fastdeploy.input.ernie4_5_vl_positions import text_positions
+from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, VisionSlice
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,34 @@ def _int64(values: list[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
 
+def add_multimodal(forward: ForwardBatch, requests: list[Request], counts: list[int]) -> None:
+    """3-D positions, token types and vision rows of a step with a multimodal request: prompt tokens take
+    the prepared positions; later tokens index + rope_delta on all axes, type 0; text requests t = h = w."""
+    positions, types = [], []
+    for request, n in zip(requests, counts):
+        begin, mm = request.num_computed_tokens, request.mm
+        if mm is None:
+            positions.append(np.broadcast_to(np.arange(begin, begin + n, dtype=np.int64), (3, n)))
+            types.append(np.zeros(n, np.int64))
+            continue
+        prompt_end = min(begin + n, request.num_prompt_tokens)
+        pos, kinds = [mm.positions[:, begin:prompt_end]], [mm.token_types[begin:prompt_end]]
+        if begin + n > prompt_end:
+            first = max(begin, request.num_prompt_tokens)
+            pos.append(text_positions(first, begin + n - first, mm.rope_delta))
+            kinds.append(np.zeros(begin + n - first, np.int64))
+        positions.append(np.concatenate(pos, axis=1))
+        types.append(np.concatenate(kinds))
+        if begin < request.num_prompt_tokens:
+            rows = np.isin(np.asarray(request.prompt_token_ids[:prompt_end]), mm.placeholder_ids)
+            lo, hi = int(rows[:begin].sum()), int(rows.sum())
+            if hi > lo:
+                forward.vision.append(VisionSlice(request.request_id, mm.pixel_values, mm.grid_thw, mm.row_order,
+                                                  lo, hi))
+    forward.positions = np.ascontiguousarray(np.concatenate(positions, axis=1))
+    forward.token_types = np.concatenate(types)
+
+
 def build_step(requests: list[Request], counts: list[int], block_manager: BlockManager) -> ScheduledStep:
     ids: list[int] = []
     positions: list[int] = []
@@ -105,6 +134,8 @@ def build_step(requests: list[Request], counts: list[int], block_manager: BlockM
         _int64(ids), _int64(positions), list(counts), context_lens,
         [block_manager.block_table(r.request_id) for r in requests],
         _int64([int(starts[i + 1]) - 1 for i in sampling] + [row for _, _, row in prompt_rows]))
+    if any(r.mm is not None for r in requests):
+        add_multimodal(forward, requests, counts)
     bias = [(j, t, v) for j, r in enumerate(samplers) for t, v in r.params.logit_bias.items()]
     logprob_rows = [j for j, r in enumerate(samplers) if r.params.logprobs is not None]
     model_input = SchedulerOutput(

@@ -12,6 +12,7 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import Request, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.entrypoints.multimodal import MultimodalPrompts
 from fastdeploy.entrypoints.prompts import normalize_conversations, normalize_prompts, render_chat, tokenize_prompt
 from fastdeploy.input.tokenizer import Tokenizer
 
@@ -23,6 +24,7 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model, **kwargs)
         self.engine = LLMEngine(self.config)
+        self._multimodal = MultimodalPrompts.create(self.config, self.engine.tokenizer)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -39,8 +41,11 @@ class LLM:
         requests = []
         for item, p in zip(items, params):
             start = time.time()
-            text, ids = tokenize_prompt(self.engine.tokenizer, item)
-            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start))
+            if self._multimodal is not None:
+                text, ids, mm = self._multimodal.from_prompt(item)
+            else:
+                (text, ids), mm = tokenize_prompt(self.engine.tokenizer, item), None
+            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, mm=mm))
         return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -56,8 +61,12 @@ class LLM:
         requests = []
         for conversation, p in zip(conversations, params):
             start = time.time()
-            text, ids = render_chat(self.engine.tokenizer, conversation, chat_template_kwargs, chat_template)
-            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, thinking))
+            if self._multimodal is not None:
+                text, ids, mm = self._multimodal.from_chat(conversation, chat_template_kwargs, chat_template)
+            else:
+                (text, ids), mm = render_chat(self.engine.tokenizer, conversation, chat_template_kwargs,
+                                              chat_template), None
+            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, thinking, mm=mm))
         return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
 
     # ---- helpers --------------------------------------------------------------------------

@@ -40,17 +40,17 @@ def normalize_conversations(messages: Any) -> list[list[dict[str, Any]]]:
     raise TypeError("messages must be one conversation (a list of {'role', 'content'} dicts) or a list of them")
 
 
-def check_message(message: dict[str, Any]) -> dict[str, Any]:
-    """Text content parts are the template layer's business; media parts need multimodal support."""
+def check_message(message: dict[str, Any], allow_media: bool = False) -> dict[str, Any]:
+    """Text content parts are the template layer's business; media parts need a multimodal model."""
     if "role" not in message or "content" not in message:
         raise ValueError(f"each message needs 'role' and 'content', got keys {sorted(message)}")
     content = message["content"]
     if isinstance(content, list):
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("image_url", "video_url", "image", "video"):
-                raise NotImplementedError(f"content parts of type {kind!r} need a multimodal model, "
-                                          "not supported yet")
+            if kind in ("image_url", "video_url", "image", "video") and not allow_media:
+                raise NotImplementedError(f"content parts of type {kind!r} need a multimodal model "
+                                          "(ERNIE-4.5-VL)")
     elif content is not None and not isinstance(content, str):
         raise TypeError(f"message content must be a str or a list of parts, got {type(content).__name__}")
     return message
@@ -65,7 +65,7 @@ def tokenize_prompt(tokenizer: Tokenizer, item: PromptType) -> tuple[str | None,
         if unknown:
             raise ValueError(f"prompt dict keys must be among {list(PROMPT_KEYS)}, got {unknown}")
         if item.get("multimodal_data"):
-            raise NotImplementedError("multimodal_data needs a multimodal model, not supported yet")
+            raise NotImplementedError("multimodal_data needs a multimodal model (ERNIE-4.5-VL)")
         text, ids = item.get("prompt"), item.get("prompt_token_ids")
         if ids is not None:
             if not _is_token_ids(ids):
@@ -77,11 +77,18 @@ def tokenize_prompt(tokenizer: Tokenizer, item: PromptType) -> tuple[str | None,
     return None, [int(t) for t in item]
 
 
+def render_chat_text(tokenizer: Tokenizer, conversation: Sequence[Mapping[str, Any]],
+                     chat_template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None,
+                     allow_media: bool = False) -> str:
+    """One conversation rendered with the chat template (media parts as their placeholders)."""
+    messages = [check_message(m, allow_media) for m in conversation]
+    kwargs = dict(add_generation_prompt=True, chat_template=chat_template, **(chat_template_kwargs or {}))
+    return tokenizer.apply_chat_template(messages, **kwargs)
+
+
 def render_chat(tokenizer: Tokenizer, conversation: Sequence[Mapping[str, Any]],
                 chat_template_kwargs: Mapping[str, Any] | None = None,
                 chat_template: str | None = None) -> tuple[str, list[int]]:
     """(prompt text, token ids) of one conversation rendered with the chat template."""
-    messages = [check_message(m) for m in conversation]
-    kwargs = dict(add_generation_prompt=True, chat_template=chat_template, **(chat_template_kwargs or {}))
-    text = tokenizer.apply_chat_template(messages, **kwargs)
+    text = render_chat_text(tokenizer, conversation, chat_template_kwargs, chat_template)
     return text, tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself

@@ -25,7 +25,7 @@ from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_m
 from fastdeploy.ops.sampling import Sampler
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
-from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, TopLogprobs
+from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, TopLogprobs, VisionSlice
 from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_sigint
 
 logger = logging.getLogger(__name__)
@@ -55,15 +55,42 @@ def with_logit_bias(logits: paddle.Tensor, step: SchedulerOutput) -> paddle.Tens
 
 @paddle.no_grad()
 def run_step(model: nn.Layer, inputs: ForwardBatch, block_size: int,
-             kv_caches: Sequence[paddle.Tensor]) -> paddle.Tensor | None:
+             kv_caches: Sequence[paddle.Tensor], vision: VisionCache | None = None) -> paddle.Tensor | None:
     """Forward the batch through the model (writing its K/V into the cache) and return the logits
-    [N, vocab] of `logit_rows` (None when no row needs them)."""
+    [N, vocab] of `logit_rows` (None when no row needs them). A multimodal step also passes its token
+    types and the vision rows of its placeholders (encoded through `vision`)."""
     ctx = build_forward_context(inputs.query_lens, inputs.context_lens, inputs.block_tables, block_size, kv_caches)
     with forward_context(ctx):
-        hidden = model(paddle.to_tensor(inputs.token_ids), paddle.to_tensor(inputs.positions))
+        if inputs.token_types is None:
+            hidden = model(paddle.to_tensor(inputs.token_ids), paddle.to_tensor(inputs.positions))
+        else:
+            rows = (vision or VisionCache()).rows(model, inputs.vision)
+            hidden = model(paddle.to_tensor(inputs.token_ids), paddle.to_tensor(inputs.positions),
+                           paddle.to_tensor(inputs.token_types), rows)
     if not len(inputs.logit_rows):
         return None
     return model.compute_logits(paddle.gather(hidden, paddle.to_tensor(inputs.logit_rows)))
+
+
+class VisionCache:
+    """Encoded vision rows per request, in prompt order: encoded at the first step that needs them, dropped
+    once the step using the last row has run (a preempted request re-encodes)."""
+
+    def __init__(self) -> None:
+        self.encoded: dict[str, paddle.Tensor] = {}
+
+    def rows(self, model: nn.Layer, slices: Sequence[VisionSlice]) -> paddle.Tensor | None:
+        parts = []
+        for item in slices:
+            encoded = self.encoded.get(item.key)
+            if encoded is None:
+                raw = model.encode_vision(paddle.to_tensor(item.pixel_values), item.grid_thw)
+                encoded = paddle.gather(raw, paddle.to_tensor(item.row_order))
+                self.encoded[item.key] = encoded
+            parts.append(encoded[item.lo:item.hi])
+            if item.hi == item.row_order.size:
+                del self.encoded[item.key]
+        return paddle.concat(parts) if parts else None
 
 
 def warmup_inputs(num_tokens: int, block_size: int) -> ForwardBatch:
@@ -82,6 +109,7 @@ class ModelRunner:
         # Tensor parallel: this process is rank 0; the workers load their shards while it loads its own.
         self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
         self.compiled: CompiledDecoder | None = None  # set once the KV cache exists
+        self.vision = VisionCache()
         self.tp = self.workers.tp if self.workers is not None else SINGLE
         ops.share_cores(self.tp.size)
         if self.workers is not None:
@@ -180,7 +208,10 @@ class ModelRunner:
         if self.compiled is not None:
             return self.compiled.forward(inputs)
         if self.workers is None:
-            return run_step(self.model, inputs, self.config.block_size, self.kv_caches)
+            return run_step(self.model, inputs, self.config.block_size, self.kv_caches, self.vision)
+        if inputs.vision:
+            raise NotImplementedError("images and videos under tensor parallel (tensor_parallel_size > 1) are not "
+                                      "supported yet; text prompts on ERNIE-4.5-VL are")
         # Every rank runs the same forward; Ctrl-C waits until the step's collectives are done.
         with deferred_sigint():
             self.workers.send_all(messages.Step(inputs))

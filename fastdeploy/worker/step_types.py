@@ -10,16 +10,33 @@ from fastdeploy.ops.sampling_reference import SamplingBatch
 
 
 @dataclass(slots=True)
+class VisionSlice:
+    """One multimodal request's vision rows needed by this step: its media (encoded once by the runner, kept
+    under `key` until the last row is used) and the placeholder rows [lo, hi) of this step's chunk."""
+
+    key: str
+    pixel_values: np.ndarray  # float32 [patches, 3 * 14 * 14], images then videos
+    grid_thw: list[tuple[int, int, int]]
+    row_order: np.ndarray  # int64 [placeholders]: encoder row of each placeholder in prompt order
+    lo: int
+    hi: int
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     """The step's ragged batch, request after request: what every tensor-parallel rank runs. The
     forward context (slot mapping, query starts, padded block tables) is derived from it per rank."""
 
     token_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64, or [3, T] (t, h, w) for a multimodal step
     query_lens: list[int]  # new tokens per request
     context_lens: list[int]  # tokens per request once this step's are added
     block_tables: list[list[int]]  # KV blocks of each request
     logit_rows: np.ndarray  # [S + P] int64: hidden-state rows whose logits are needed: S samples, then P prompt rows
+    # Multimodal steps (some request has media): positions are [3, T], token types [T] (0 text, 1 image,
+    # 2 video) and the vision rows of the chunk's placeholders, request after request.
+    token_types: np.ndarray | None = None
+    vision: list[VisionSlice] = field(default_factory=list)
 
 
 @dataclass(slots=True)

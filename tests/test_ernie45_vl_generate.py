@@ -1,0 +1,136 @@
+"""ERNIE-4.5-VL end to end through LLM.chat / LLM.generate on the tiny VL fixture: every reference case
+(tests/fixtures/reference/ernie45_vl_tiny.json) gives transformers' 8 greedy tokens, through chat messages and
+through `multimodal_data`, alone and batched, with a chunked prefill that cuts through the images, and with
+prefix caching on two prompts that differ only in their image; limit_mm_per_prompt and the token counts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.entrypoints.llm import LLM
+
+from test_ernie45_vl_vision import IMAGES, checker_image, gradient_image, video_frames
+
+VL = Path(__file__).resolve().parent / "fixtures" / "models" / "ernie45_vl_tiny_hf"
+REF = json.loads((VL.parent.parent / "reference" / "ernie45_vl_tiny.json").read_text())
+CASES = REF["cases"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+VIDEO = {"one_video": lambda: [video_frames(4, 532, 448)], "image_and_video": lambda: [video_frames(4, 532, 448)]}
+
+
+def media(case: dict) -> tuple[list, list]:
+    images = IMAGES[case["name"]]() if case["name"] in IMAGES else []
+    return images, VIDEO[case["name"]]() if case["name"] in VIDEO else []
+
+
+def messages(case: dict) -> list[dict]:
+    """The case's messages with the synthetic media put in their content parts."""
+    images, videos = (iter(m) for m in media(case))
+    out = []
+    for message in case["messages"]:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [{"type": "image_url", "image_url": {"url": next(images)}} if p.get("type") == "image_url"
+                       else {"type": "video", "video": next(videos)} if p.get("type") == "video_url"
+                       else p for p in content]
+        out.append({**message, "content": content})
+    return out
+
+
+def generate_prompt(case: dict) -> dict | str:
+    images, videos = media(case)
+    if not images and not videos:
+        return case["prompt"]
+    return {"prompt": case["prompt"], "multimodal_data": {"image": images, "video": videos}}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0)
+
+
+@pytest.fixture(scope="module")
+def chunked() -> LLM:
+    return LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0,
+               enable_chunked_prefill=True, max_num_batched_tokens=24, enable_prefix_caching=True, block_size=8,
+               limit_mm_per_prompt={"image": 1})
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
+def test_chat_gives_the_reference_tokens(llm, case):
+    out = llm.chat(messages(case), GREEDY, use_tqdm=False, chat_template_kwargs=case.get("chat_template_kwargs"))[0]
+    assert out.prompt_token_ids == case["input_ids"]
+    assert out.outputs.token_ids == case["output_token_ids"]
+    tokens = llm.config.model_config.multimodal.tokens
+    ids = np.asarray(case["input_ids"])
+    types = np.asarray(case["moe_mm_token_type_ids"])
+    assert out.num_input_image_tokens == int(((ids == tokens.image) & (types == 1)).sum())
+    assert out.num_input_video_tokens == int(((ids == tokens.video) & (types == 2)).sum())
+
+
+def test_generate_with_multimodal_data_batched_equals_the_reference(llm):
+    outs = llm.generate([generate_prompt(c) for c in CASES], GREEDY, use_tqdm=False)
+    for case, out in zip(CASES, outs):
+        assert out.prompt_token_ids == case["input_ids"], case["name"]
+        assert out.outputs.token_ids == case["output_token_ids"], case["name"]
+
+
+def test_chunked_prefill_through_images_and_prefix_caching_per_image(chunked):
+    """A 24-token budget cuts every image and the video; two prompts alike but for their image share no
+    block (each gives its own reference tokens); the same image again hits the cache."""
+    cases = [c for c in CASES if c["name"] in ("one_image", "one_video", "text_only")]
+    outs = chunked.generate([generate_prompt(c) for c in cases], GREEDY, use_tqdm=False)
+    for case, out in zip(cases, outs):
+        assert out.outputs.token_ids == case["output_token_ids"], case["name"]
+    one = next(c for c in CASES if c["name"] == "one_image")
+    other = {"prompt": one["prompt"], "multimodal_data": {"image": [checker_image(64, 48, 12)]}}
+    alone = LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=64, use_warmup=0)
+    expected = alone.generate(other, GREEDY, use_tqdm=False)[0].outputs.token_ids
+    assert expected != one["output_token_ids"]
+    got = chunked.generate(other, GREEDY, use_tqdm=False)[0]
+    assert got.num_cached_tokens == 0 and got.outputs.token_ids == expected
+    again = chunked.generate(generate_prompt(one), GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.outputs.token_ids == one["output_token_ids"]
+
+
+def test_limit_mm_per_prompt(chunked):
+    two = next(c for c in CASES if c["name"] == "two_images")
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        chunked.chat(messages(two), GREEDY, use_tqdm=False)
+
+
+def test_placeholders_must_match_the_media(llm):
+    with pytest.raises(ValueError, match="placeholders"):
+        llm.generate({"prompt": "no placeholder", "multimodal_data": {"image": [gradient_image(64, 48)]}},
+                     GREEDY, use_tqdm=False)
+
+
+def test_the_documented_generate_example_with_ernie_bot_tokenizer(llm):
+    """FastDeploy's example: ErnieBotTokenizer renders the prompt, generate takes it with multimodal_data."""
+    from fastdeploy.input.ernie4_5_tokenizer import Ernie4_5Tokenizer
+    from fastdeploy.input.ernie_tokenizer import ErnieBotTokenizer
+
+    assert Ernie4_5Tokenizer is ErnieBotTokenizer
+    case = next(c for c in CASES if c["name"] == "image_and_video")
+    tokenizer = ErnieBotTokenizer.from_pretrained(str(VL))
+    prompt = tokenizer.apply_chat_template(case["messages"], tokenize=False, **case.get("chat_template_kwargs", {}))
+    assert prompt == case["prompt"]
+    images, videos = media(case)
+    out = llm.generate(prompts={"prompt": prompt, "multimodal_data": {"image": images, "video": videos}},
+                       sampling_params=GREEDY, use_tqdm=False)[0]
+    assert out.outputs.token_ids == case["output_token_ids"]
+
+
+def test_reasoning_parser_ernie_45_vl(tmp_path):
+    """reasoning_parser="ernie-45-vl" on an image chat: thinking off puts the whole text in the answer."""
+    vl = LLM(model=str(VL), max_model_len=256, num_gpu_blocks_override=32, use_warmup=0, enable_mm=True,
+             reasoning_parser="ernie-45-vl")
+    case = next(c for c in CASES if c["name"] == "one_image")
+    out = vl.chat(messages(case), GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})[0]
+    assert out.outputs.token_ids == case["output_token_ids"]
+    assert out.outputs.reasoning_content in ("", None) and out.outputs.text == vl.get_tokenizer().decode(
+        case["output_token_ids"])
