@@ -56,7 +56,7 @@ def llm() -> LLM:
 @pytest.fixture(scope="module")
 def chunked() -> LLM:
     return LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0,
-               enable_chunked_prefill=True, max_num_batched_tokens=24, enable_prefix_caching=True, block_size=8,
+               enable_chunked_prefill=True, max_num_batched_tokens=14, enable_prefix_caching=True, block_size=8,
                limit_mm_per_prompt={"image": 1})
 
 
@@ -80,8 +80,9 @@ def test_generate_with_multimodal_data_batched_equals_the_reference(llm):
 
 
 def test_chunked_prefill_through_images_and_prefix_caching_per_image(chunked):
-    """A 24-token budget cuts every image and the video; two prompts alike but for their image share no
-    block (each gives its own reference tokens); the same image again hits the cache."""
+    """A 14-token budget cuts one_image's image after 2 of its 4 rows (placeholders at 12..15) and the video
+    many times; two prompts alike but for their image share no block (each gives its own reference tokens);
+    the same image again hits the cache."""
     cases = [c for c in CASES if c["name"] in ("one_image", "one_video", "text_only")]
     outs = chunked.generate([generate_prompt(c) for c in cases], GREEDY, use_tqdm=False)
     for case, out in zip(cases, outs):
@@ -134,3 +135,17 @@ def test_reasoning_parser_ernie_45_vl(tmp_path):
     assert out.outputs.token_ids == case["output_token_ids"]
     assert out.outputs.reasoning_content in ("", None) and out.outputs.text == vl.get_tokenizer().decode(
         case["output_token_ids"])
+
+
+def test_media_are_encoded_once_per_request_across_chunks(chunked, monkeypatch):
+    """image_and_video prefilled in 14-token chunks beside text: one encode_vision call, and the runner keeps
+    no rows once the request is done."""
+    case = next(c for c in CASES if c["name"] == "image_and_video")
+    runner = chunked.engine.runner
+    calls = []
+    encode = runner.model.encode_vision
+    monkeypatch.setattr(runner.model, "encode_vision", lambda *a: calls.append(1) or encode(*a))
+    text = next(c for c in CASES if c["name"] == "text_only")
+    outs = chunked.generate([generate_prompt(case), generate_prompt(text)], GREEDY, use_tqdm=False)
+    assert [o.outputs.token_ids for o in outs] == [case["output_token_ids"], text["output_token_ids"]]
+    assert len(calls) == 1 and not runner.vision.encoded

@@ -106,7 +106,7 @@ def add_multimodal(forward: ForwardBatch, requests: list[Request], counts: list[
         if begin < request.num_prompt_tokens:
             rows = np.isin(np.asarray(request.prompt_token_ids[:prompt_end]), mm.placeholder_ids)
             lo, hi = int(rows[:begin].sum()), int(rows.sum())
-            if hi > lo:
+            if lo < mm.num_vision_rows:  # also a text-only chunk before more media: keeps its rows encoded
                 forward.vision.append(VisionSlice(request.request_id, mm.pixel_values, mm.grid_thw, mm.row_order,
                                                   lo, hi))
     forward.positions = np.ascontiguousarray(np.concatenate(positions, axis=1))

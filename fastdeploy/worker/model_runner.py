@@ -74,12 +74,15 @@ def run_step(model: nn.Layer, inputs: ForwardBatch, block_size: int,
 
 class VisionCache:
     """Encoded vision rows per request, in prompt order: encoded at the first step that needs them, dropped
-    once the step using the last row has run (a preempted request re-encodes)."""
+    once the step using the last row has run. A request whose prefill skips a step (preempted, aborted, or
+    left without budget) is dropped too and re-encodes if it comes back: nothing outlives its request."""
 
     def __init__(self) -> None:
         self.encoded: dict[str, paddle.Tensor] = {}
 
     def rows(self, model: nn.Layer, slices: Sequence[VisionSlice]) -> paddle.Tensor | None:
+        wanted = {item.key for item in slices}
+        self.encoded = {k: v for k, v in self.encoded.items() if k in wanted}
         parts = []
         for item in slices:
             encoded = self.encoded.get(item.key)
@@ -87,7 +90,8 @@ class VisionCache:
                 raw = model.encode_vision(paddle.to_tensor(item.pixel_values), item.grid_thw)
                 encoded = paddle.gather(raw, paddle.to_tensor(item.row_order))
                 self.encoded[item.key] = encoded
-            parts.append(encoded[item.lo:item.hi])
+            if item.hi > item.lo:
+                parts.append(encoded[item.lo:item.hi])
             if item.hi == item.row_order.size:
                 del self.encoded[item.key]
         return paddle.concat(parts) if parts else None
