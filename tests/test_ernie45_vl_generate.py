@@ -149,3 +149,25 @@ def test_media_are_encoded_once_per_request_across_chunks(chunked, monkeypatch):
     outs = chunked.generate([generate_prompt(case), generate_prompt(text)], GREEDY, use_tqdm=False)
     assert [o.outputs.token_ids for o in outs] == [case["output_token_ids"], text["output_token_ids"]]
     assert len(calls) == 1 and not runner.vision.encoded
+
+
+def test_mm_processor_kwargs_and_media_under_tensor_parallel(llm):
+    """image_max_pixels shrinks the image's tokens; unknown keys are refused by name; media with
+    tensor_parallel_size > 1 are refused before any request is made."""
+    from fastdeploy.entrypoints.multimodal import MultimodalPrompts
+    from fastdeploy.input.ernie4_5_vl_processor import MediaProcessor
+
+    small = LLM(model=str(VL), max_model_len=512, num_gpu_blocks_override=64, use_warmup=0,
+                mm_processor_kwargs={"image_max_pixels": 56 * 56})
+    big = {"prompt": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>", "multimodal_data": {
+        "image": [gradient_image(280, 280)]}}
+    out = small.generate(big, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.num_input_image_tokens == 4  # 56x56 pixels: 4x4 patches, 2x2 merged
+    assert llm.generate(big, SamplingParams(max_tokens=1), use_tqdm=False)[0].num_input_image_tokens == 100
+    with pytest.raises(NotImplementedError, match="image_resample"):
+        MediaProcessor.from_pretrained(VL, None, {"image_resample": 3})
+    tp = MultimodalPrompts(llm.get_tokenizer(), llm.config.model_config.multimodal.tokens,
+                           llm._multimodal.media, tensor_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
+        tp.from_prompt(big)
+    assert tp.from_prompt("text only")[2] is None
