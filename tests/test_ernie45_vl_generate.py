@@ -171,3 +171,20 @@ def test_mm_processor_kwargs_and_media_under_tensor_parallel(llm):
     with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
         tp.from_prompt(big)
     assert tp.from_prompt("text only")[2] is None
+
+
+def test_baidu_placeholders_and_the_image_part_form(llm):
+    """Baidu's `<|image@placeholder|>` / `<|video@placeholder|>` expand like the template's placeholders, and
+    {"type": "image", "image": ...} / {"type": "video", "video": ...} parts work as image_url / video_url."""
+    case = next(c for c in CASES if c["name"] == "image_and_video")
+    images, videos = media(case)
+    baidu = case["prompt"].replace("<|IMAGE_PLACEHOLDER|>", "<|image@placeholder|>").replace(
+        "<|VIDEO_PLACEHOLDER|>", "<|video@placeholder|>")
+    out = llm.generate({"prompt": baidu, "multimodal_data": {"image": images, "video": videos}}, GREEDY,
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == case["input_ids"] and out.outputs.token_ids == case["output_token_ids"]
+    parts = [{"type": "image", "image": images[0]} if p.get("type") == "image_url" else p
+             for p in messages(case)[0]["content"]]
+    out = llm.chat([{**case["messages"][0], "content": parts}], GREEDY, use_tqdm=False,
+                   chat_template_kwargs=case.get("chat_template_kwargs"))[0]
+    assert out.prompt_token_ids == case["input_ids"] and out.outputs.token_ids == case["output_token_ids"]
