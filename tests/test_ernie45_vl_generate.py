@@ -188,3 +188,23 @@ def test_baidu_placeholders_and_the_image_part_form(llm):
     out = llm.chat([{**case["messages"][0], "content": parts}], GREEDY, use_tqdm=False,
                    chat_template_kwargs=case.get("chat_template_kwargs"))[0]
     assert out.prompt_token_ids == case["input_ids"] and out.outputs.token_ids == case["output_token_ids"]
+
+
+@pytest.mark.parametrize("preempt_after", [5, 50])
+def test_preempted_media_request_recomputes_to_the_reference(chunked, preempt_after):
+    """image_and_video preempted mid-prefill (step 5: inside the video) or after it started decoding (step
+    50): its rows are re-encoded, prompt and generated tokens recomputed with the same positions."""
+    case = next(c for c in CASES if c["name"] == "image_and_video")
+    engine = chunked.engine
+    text, ids, mm = chunked._multimodal.from_prompt(generate_prompt(case))
+    request = engine.make_requests(text, ids, GREEDY, 0, 0.0, mm=mm)[0]
+    engine.add_request(request)
+    steps = 0
+    while not request.is_finished:
+        engine.step()
+        steps += 1
+        if steps == preempt_after:
+            assert (request.num_output_tokens > 0) == (preempt_after == 50)
+            engine.scheduler._preempt(request)
+    assert request.output_token_ids == case["output_token_ids"]
+    engine.output_processor.release(request.request_id)
