@@ -190,13 +190,19 @@ def test_baidu_placeholders_and_the_image_part_form(llm):
     assert out.prompt_token_ids == case["input_ids"] and out.outputs.token_ids == case["output_token_ids"]
 
 
+@pytest.fixture(scope="module")
+def uncached() -> LLM:
+    return LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0,
+               enable_chunked_prefill=True, max_num_batched_tokens=14, enable_prefix_caching=False)
+
+
 @pytest.mark.parametrize("preempt_after", [5, 50])
-def test_preempted_media_request_recomputes_to_the_reference(chunked, preempt_after):
+def test_preempted_media_request_recomputes_to_the_reference(uncached, preempt_after):
     """image_and_video preempted mid-prefill (step 5: inside the video) or after it started decoding (step
     50): its rows are re-encoded, prompt and generated tokens recomputed with the same positions."""
     case = next(c for c in CASES if c["name"] == "image_and_video")
-    engine = chunked.engine
-    text, ids, mm = chunked._multimodal.from_prompt(generate_prompt(case))
+    engine = uncached.engine
+    text, ids, mm = uncached._multimodal.from_prompt(generate_prompt(case))
     request = engine.make_requests(text, ids, GREEDY, 0, 0.0, mm=mm)[0]
     engine.add_request(request)
     steps = 0
