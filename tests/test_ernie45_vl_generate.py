@@ -214,3 +214,9 @@ def test_preempted_media_request_recomputes_to_the_reference(uncached, preempt_a
             engine.scheduler._preempt(request)
     assert request.output_token_ids == case["output_token_ids"]
     engine.output_processor.release(request.request_id)
+
+
+def test_placeholder_token_ids_without_media_are_refused(llm):
+    case = next(c for c in CASES if c["name"] == "one_image")
+    with pytest.raises(ValueError, match="multimodal_data"):
+        llm.generate({"prompt_token_ids": case["input_ids"]}, GREEDY, use_tqdm=False)

@@ -46,6 +46,9 @@ class MultimodalPrompts:
     def from_prompt(self, item: Any) -> Prepared:
         if not (isinstance(item, Mapping) and item.get("multimodal_data")):
             text, ids = tokenize_prompt(self.tokenizer, item)
+            if self.tokens.image in ids or self.tokens.video in ids:
+                raise ValueError("the prompt holds image/video placeholder tokens but no multimodal_data; pass the "
+                                 "media with the prompt text")
             return text, ids, None
         unknown = sorted(set(item) - set(PROMPT_KEYS))
         if unknown:
