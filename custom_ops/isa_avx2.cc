@@ -22,7 +22,7 @@ namespace avx2 {
 constexpr int kGemvPanels = 2;
 constexpr int kGemvPrefetch = 1024;  // GEMV software prefetch distance in bytes per panel (kern_linear.inc)
 constexpr bool kGemvGuided = true;   // GEMV threads take guided (contiguous) runs of panel groups
-constexpr int kDenseRows = 2, kDensePanels = 2;
+constexpr int kDenseRows = 6, kDensePanels = 1;
 constexpr int kInt8Rows = 2, kInt8Panels = 1;
 constexpr int kAttnRows = 1;  // query rows per attention register block
 constexpr int kInt4Rows = 2, kInt4Panels = 1;
