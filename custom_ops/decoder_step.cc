@@ -202,14 +202,14 @@ void mlp_block(const KernelTable& kt, const StepLayer& L, int64_t T, int64_t H, 
 }  // namespace
 }  // namespace fd
 
-// Returns 0 on success, 1 for bad arguments, 2 when no kernels can run here. `workspace` comes from
-// fd_step_workspace_new and is used by one call at a time.
+// One model's activation buffers and phase timers, used by one fd_decoder_step call at a time.
 extern "C" __attribute__((visibility("default"))) void* fd_step_workspace_new() { return new fd::Workspace(); }
 
 extern "C" __attribute__((visibility("default"))) void fd_step_workspace_free(void* ws) {
   delete static_cast<fd::Workspace*>(ws);
 }
 
+// Returns 0 on success, 1 for bad arguments, 2 when no kernels can run here.
 extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::StepModel* mp, const fd::StepBatch* sp,
                                                                       void* workspace) {
   using namespace fd;
