@@ -23,15 +23,16 @@ from fastdeploy.model_executor.layers.packed import PackedParameter, WeightSlot,
 
 
 class MoEStatics(nn.Layer):
-    """Holds `e_score_correction_bias` [1, num_experts] (checkpoint name `mlp.moe_statics.*`).
+    """Holds `e_score_correction_bias` [rows, num_experts] (checkpoint name `mlp.moe_statics.*`): one row
+    per router (ERNIE-4.5-VL: row 0 text, row 1 vision).
 
     A checkpoint may lack it (transformers then keeps zeros, i.e. plain top-k): it is marked optional."""
 
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, rows: int = 1) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.rows = num_experts, rows
         self.e_score_correction_bias = self.create_parameter(
-            [1, num_experts], dtype="float32", default_initializer=nn.initializer.Constant(0.0))
+            [rows, num_experts], dtype="float32", default_initializer=nn.initializer.Constant(0.0))
         self.e_score_correction_bias.stop_gradient = True
         self.e_score_correction_bias.weight_loader = self.weight_loader
         self.e_score_correction_bias.optional_in_checkpoint = True
@@ -39,14 +40,16 @@ class MoEStatics(nn.Layer):
     def weight_loader(self, param: paddle.Tensor, array: Any, shard_id: int | str | None = None) -> None:
         if shard_id is not None:
             raise ValueError(f"e_score_correction_bias has no shards (got shard {shard_id!r})")
-        if array.size != self.num_experts or array.ndim > 2:
+        flat_ok = self.rows == 1 and list(array.shape) == [self.num_experts]
+        if list(array.shape) != [self.rows, self.num_experts] and not flat_ok:
+            also = f" (or [{self.num_experts}])" if self.rows == 1 else ""
             raise ValueError(f"e_score_correction_bias: got shape {list(array.shape)}, the model expects "
-                             f"[1, {self.num_experts}] (or [{self.num_experts}])")
-        param.set_value(np.asarray(array, dtype=np.float32).reshape([1, self.num_experts]))
+                             f"[{self.rows}, {self.num_experts}]{also}")
+        param.set_value(np.asarray(array, dtype=np.float32).reshape([self.rows, self.num_experts]))
 
-    @property
-    def bias(self) -> paddle.Tensor:
-        return self.e_score_correction_bias.reshape([-1])
+    def bias(self, row: int = 0) -> paddle.Tensor:
+        """The correction bias [num_experts] of router `row`."""
+        return self.e_score_correction_bias[row]
 
 
 class FusedExperts(nn.Layer):
@@ -118,7 +121,7 @@ class SparseMoE(nn.Layer):
         shared = self.shared_experts
         fused_shared = shared is not None and shared.up_gate_proj.bias is None and shared.down_proj.bias is None
         out = ops.fused_moe(
-            x, self.gate.packed, self.moe_statics.bias, self.experts.up_gate.value, self.experts.down.value,
+            x, self.gate.packed, self.moe_statics.bias(), self.experts.up_gate.value, self.experts.down.value,
             self.top_k, self.norm_min, self.experts.start, self.num_experts,
             shared.up_gate_proj.packed if fused_shared else None, shared.down_proj.packed if fused_shared else None)
         if shared is not None and not fused_shared:

@@ -29,7 +29,7 @@ from paddle import nn
 from fastdeploy import ops
 from fastdeploy.distributed.parallel_state import TPGroup, current_tp
 from fastdeploy.model_executor.layers.linear import GatedMLP
-from fastdeploy.model_executor.layers.moe import FusedExperts
+from fastdeploy.model_executor.layers.moe import FusedExperts, MoEStatics
 from fastdeploy.model_executor.layers.packed import PackedParameter, WeightSlot, add_slot
 
 
@@ -84,35 +84,6 @@ class DualRouter(nn.Layer):
         slot.target.fill(array)
 
 
-class DualMoEStatics(nn.Layer):
-    """`e_score_correction_bias` [2, E]: row 0 steers the text routing, row 1 the vision routing.
-    Optional in a checkpoint (zeros: plain top-k, as transformers keeps)."""
-
-    def __init__(self, num_experts: tuple[int, int]) -> None:
-        super().__init__()
-        if num_experts[0] != num_experts[1]:
-            # One [2, E] tensor holds both rows; no checkpoint with different set sizes is known.
-            raise NotImplementedError(f"text and vision expert counts differ ({num_experts}): the correction "
-                                      f"bias layout for that is unknown")
-        self.num_experts = num_experts[0]
-        self.e_score_correction_bias = self.create_parameter(
-            [2, self.num_experts], dtype="float32", default_initializer=nn.initializer.Constant(0.0))
-        self.e_score_correction_bias.stop_gradient = True
-        self.e_score_correction_bias.weight_loader = self.weight_loader
-        self.e_score_correction_bias.optional_in_checkpoint = True
-
-    def weight_loader(self, param: paddle.Tensor, array: Any, shard_id: int | str | None = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"e_score_correction_bias has no shards (got shard {shard_id!r})")
-        if list(array.shape) != [2, self.num_experts]:
-            raise ValueError(f"e_score_correction_bias: got shape {list(array.shape)}, the model expects "
-                             f"[2, {self.num_experts}] (text row, vision row)")
-        param.set_value(np.asarray(array, dtype=np.float32))
-
-    def bias(self, modality: int) -> paddle.Tensor:
-        return self.e_score_correction_bias[modality]
-
-
 class ModalityExperts(nn.Layer):
     """This rank's text and vision experts as two stacked `FusedExperts`; their checkpoint slots are
     registered here so that both sets keep the checkpoint's names `experts.K.*` (K global)."""
@@ -144,7 +115,11 @@ class MultimodalMoE(nn.Layer):
         self.tp = tp if tp is not None else current_tp()
         self.num_experts, self.top_k, self.norm_min = num_experts, top_k, norm_min
         self.gate = DualRouter(hidden_size, num_experts)
-        self.moe_statics = DualMoEStatics(num_experts)
+        if num_experts[0] != num_experts[1]:
+            # One [2, E] tensor holds both correction-bias rows; no checkpoint with different set sizes is known.
+            raise NotImplementedError(f"text and vision expert counts differ ({num_experts}): the correction "
+                                      f"bias layout for that is unknown")
+        self.moe_statics = MoEStatics(num_experts[0], rows=2)
         self.experts = ModalityExperts(hidden_size, widths, num_experts, self.tp)
         # Checkpoint tensors of other ranks' experts are not read here (see load.py).
         self.other_rank_children = [f"experts.{e}" for e in self.experts.elsewhere]
