@@ -20,6 +20,7 @@ from fastdeploy.model_executor.layers.norm import RMSNorm
 from fastdeploy.model_executor.layers.rotary import CosSin, RotaryEmbedding
 
 MLPFactory = Callable[[ModelConfig, int], nn.Layer]
+RunMLP = Callable[[nn.Layer, paddle.Tensor], paddle.Tensor]
 
 
 def dense_mlp(config: ModelConfig, layer_idx: int) -> nn.Layer:
@@ -61,7 +62,8 @@ class DecoderLayer(nn.Layer):
         self.mlp = make_mlp(config, layer_idx)
 
     def forward(self, hidden: paddle.Tensor, residual: paddle.Tensor | None, rotary: RotaryEmbedding,
-                cos_sin: CosSin) -> tuple[paddle.Tensor, paddle.Tensor]:
+                cos_sin: CosSin, run_mlp: RunMLP | None = None) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """`run_mlp(mlp, x)` calls the MLP with more than x (ERNIE-4.5-VL's experts take the modality split)."""
         # The residual add is folded into the next norm: returns (block output, running residual).
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
@@ -69,7 +71,7 @@ class DecoderLayer(nn.Layer):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, rotary, cos_sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return (self.mlp(hidden) if run_mlp is None else run_mlp(self.mlp, hidden)), residual
 
 
 class DecoderModel(nn.Layer):
@@ -83,11 +85,13 @@ class DecoderModel(nn.Layer):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, interleaved=interleaved_rotary)
 
     def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions)
+        return self.decode(self.embed_tokens(input_ids), self.rotary.cos_sin(positions))
+
+    def decode(self, hidden: paddle.Tensor, cos_sin: CosSin, run_mlp: RunMLP | None = None) -> paddle.Tensor:
+        """Input embeddings [T, hidden] through every layer and the final norm."""
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, self.rotary, cos_sin)
+            hidden, residual = layer(hidden, residual, self.rotary, cos_sin, run_mlp)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

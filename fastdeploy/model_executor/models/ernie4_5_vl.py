@@ -126,17 +126,7 @@ class Ernie4_5_VLMoeForConditionalGeneration(Ernie4_5ForCausalLM):
         if types is not None and types.shape != tuple(input_ids.shape):
             raise ValueError(f"token_type_ids {list(types.shape)} must match input_ids {list(input_ids.shape)}")
         split = ModalitySplit.from_token_types(types)
-        hidden = self.embed(input_ids, vision_features)
-        residual = None
-        rotary = self.model.rotary  # applies the interleaved pairs to whichever cos / sin rows it is given
-        for layer in self.model.layers:  # DecoderLayer's steps, the MoE also given the modality split
-            if residual is None:
-                residual, hidden = hidden, layer.input_layernorm(hidden)
-            else:
-                hidden, residual = layer.input_layernorm(hidden, residual)
-            hidden = layer.self_attn(hidden, rotary, cos_sin)
-            hidden, residual = layer.post_attention_layernorm(hidden, residual)
-            hidden = layer.mlp(hidden, split) if isinstance(layer.mlp, MultimodalMoE) else layer.mlp(hidden)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        # The rotary applies the interleaved pairs to whichever cos / sin rows it is given.
+        return self.model.decode(self.embed(input_ids, vision_features), cos_sin,
+                                 lambda mlp, x: mlp(x, split) if isinstance(mlp, MultimodalMoE) else mlp(x))
 
