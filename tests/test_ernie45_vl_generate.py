@@ -98,16 +98,13 @@ def test_chunked_prefill_through_images_and_prefix_caching_per_image(chunked):
     assert again.num_cached_tokens > 0 and again.outputs.token_ids == one["output_token_ids"]
 
 
-def test_limit_mm_per_prompt(chunked):
+def test_limit_mm_per_prompt_and_placeholders_must_match_the_media(llm, chunked):
     two = next(c for c in CASES if c["name"] == "two_images")
-    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
-        chunked.chat(messages(two), GREEDY, use_tqdm=False)
-
-
-def test_placeholders_must_match_the_media(llm):
-    with pytest.raises(ValueError, match="placeholders"):
-        llm.generate({"prompt": "no placeholder", "multimodal_data": {"image": [gradient_image(64, 48)]}},
-                     GREEDY, use_tqdm=False)
+    out = chunked.chat(messages(two), GREEDY, use_tqdm=False)[0]
+    assert out.error_code == 400 and "limit_mm_per_prompt" in out.error_msg
+    out = llm.generate({"prompt": "no placeholder", "multimodal_data": {"image": [gradient_image(64, 48)]}},
+                       GREEDY, use_tqdm=False)[0]
+    assert out.error_code == 400 and "placeholders" in out.error_msg
 
 
 def test_the_documented_generate_example_with_ernie_bot_tokenizer(llm):
@@ -151,10 +148,8 @@ def test_media_are_encoded_once_per_request_across_chunks(chunked, monkeypatch):
     assert len(calls) == 1 and not runner.vision.encoded
 
 
-def test_mm_processor_kwargs_and_media_under_tensor_parallel(llm):
-    """image_max_pixels shrinks the image's tokens; unknown keys are refused by name; media with
-    tensor_parallel_size > 1 are refused before any request is made."""
-    from fastdeploy.entrypoints.multimodal import MultimodalPrompts
+def test_mm_processor_kwargs(llm):
+    """image_max_pixels shrinks the image's tokens; unknown keys are refused by name."""
     from fastdeploy.input.ernie4_5_vl_processor import MediaProcessor
 
     small = LLM(model=str(VL), max_model_len=512, num_gpu_blocks_override=64, use_warmup=0,
@@ -166,11 +161,28 @@ def test_mm_processor_kwargs_and_media_under_tensor_parallel(llm):
     assert llm.generate(big, SamplingParams(max_tokens=1), use_tqdm=False)[0].num_input_image_tokens == 100
     with pytest.raises(NotImplementedError, match="image_resample"):
         MediaProcessor.from_pretrained(VL, None, {"image_resample": 3})
-    tp = MultimodalPrompts(llm.get_tokenizer(), llm.config.model_config.multimodal.tokens,
-                           llm._multimodal.media, tensor_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
-        tp.from_prompt(big)
-    assert tp.from_prompt("text only")[2] is None
+
+
+def test_bad_media_fail_only_their_own_request(llm, tmp_path):
+    """Unreadable, undecodable or miscounted media give that prompt's output error_code 400 and a message
+    naming the problem; the other prompts of the call give the reference tokens."""
+    case = next(c for c in CASES if c["name"] == "one_image")
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    bad_sources = {str(tmp_path / "missing.png"): "could not read", str(tmp_path / "bad.png"): "could not be decoded"}
+    prompts = [generate_prompt(case)]
+    prompts += [{"prompt": case["prompt"], "multimodal_data": {"image": [source]}} for source in bad_sources]
+    prompts.append({"prompt": case["prompt"], "multimodal_data": {"image": [gradient_image(64, 48)] * 2}})
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert outs[0].error_code == 200 and outs[0].outputs.token_ids == case["output_token_ids"]
+    for out, message in zip(outs[1:], [*bad_sources.values(), "2 images"]):
+        assert out.error_code == 400 and message in out.error_msg and out.outputs.token_ids == []
+    conversation = messages(case)
+    broken = [{**conversation[0], "content": [{"type": "image_url", "image_url": {"url": str(tmp_path / "bad.png")}},
+                                              *conversation[0]["content"][1:]]}]
+    outs = llm.chat([broken, conversation], GREEDY, use_tqdm=False,
+                    chat_template_kwargs=case.get("chat_template_kwargs"))
+    assert outs[0].error_code == 400 and "could not be decoded" in outs[0].error_msg
+    assert outs[1].outputs.token_ids == case["output_token_ids"]
 
 
 def test_baidu_placeholders_and_the_image_part_form(llm):
@@ -218,5 +230,5 @@ def test_preempted_media_request_recomputes_to_the_reference(uncached, preempt_a
 
 def test_placeholder_token_ids_without_media_are_refused(llm):
     case = next(c for c in CASES if c["name"] == "one_image")
-    with pytest.raises(ValueError, match="multimodal_data"):
-        llm.generate({"prompt_token_ids": case["input_ids"]}, GREEDY, use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": case["input_ids"]}], GREEDY, use_tqdm=False)[0]
+    assert out.error_code == 400 and "no media" in out.error_msg

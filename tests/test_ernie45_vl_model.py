@@ -433,15 +433,21 @@ def test_other_multimodal_architectures_are_still_refused(tmp_path):
         ModelConfig.from_pretrained(tmp_path)
 
 
-def test_llm_text_prompt_with_two_ranks():
-    """LLM drives the VL checkpoint through the engine (one position row, no token types) with the
-    experts of both sets split over two ranks: a text prompt gives transformers' tokens."""
+def test_llm_with_two_ranks():
+    """LLM drives the VL checkpoint with the experts of both sets split over two ranks (each rank encodes
+    the media with its own copy of the vision tower): text, image and video prompts, batched, give
+    transformers' tokens."""
     from fastdeploy import LLM, SamplingParams
-    case = BY_NAME["text_only"]
-    llm = LLM(model=str(VL), tensor_parallel_size=2)
-    params = SamplingParams(temperature=0, max_tokens=len(case["output_token_ids"]), ignore_eos=True)
-    out = llm.generate([{"prompt_token_ids": case["input_ids"]}], params, use_tqdm=False)
-    assert out[0].outputs.token_ids == case["output_token_ids"]
+    from test_ernie45_vl_generate import generate_prompt
+
+    cases = [BY_NAME[name] for name in ("text_only", "two_images", "image_and_video")]
+    llm = LLM(model=str(VL), tensor_parallel_size=2, max_model_len=1024)
+    prompts = [{"prompt_token_ids": case["input_ids"]} if case["name"] == "text_only" else generate_prompt(case)
+               for case in cases]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for case, out in zip(cases, outs):
+        assert out.prompt_token_ids == case["input_ids"], case["name"]
+        assert out.outputs.token_ids == case["output_token_ids"][:8], case["name"]
 
 
 def test_pure_paddle_fallback_matches_too(hf_model):

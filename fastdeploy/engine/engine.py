@@ -52,9 +52,11 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def make_request(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, index: int,
                      arrival_time: float | None = None, sample: int = 0, enable_thinking: bool = True,
-                     leader: Request | None = None, mm: MultimodalInputs | None = None) -> Request:
-        """A Request; problems with this one request are recorded on it (error_code 400).
-        `sample` numbers the n samples of one prompt; each draws from its own generator."""
+                     leader: Request | None = None, mm: MultimodalInputs | None = None,
+                     error: str | None = None) -> Request:
+        """A Request; problems with this one request are recorded on it (error_code 400), as is `error`
+        (what went wrong preparing its prompt, e.g. unreadable media). `sample` numbers the n samples of
+        one prompt; each draws from its own generator."""
         number = next(self._ids)
         params = params.with_model_defaults(self.config.model_config.generation_defaults)
         seed = [params.seed, sample] if params.seed is not None else [self.config.seed, number]
@@ -66,7 +68,7 @@ class LLMEngine:
         if params.reasoning_max_tokens is not None and self.output_processor.reasoning_parser is None:
             raise ValueError("reasoning_max_tokens needs a thinking model run with reasoning_parser set on the LLM")
         self.output_processor.start(request, prompt, index, enable_thinking)
-        error = self._validate(request)
+        error = error or self._validate(request)
         if error:
             request.error_code, request.error_msg = 400, error
             request.finish("abort")
@@ -80,15 +82,15 @@ class LLMEngine:
         return request
 
     def make_requests(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, first_index: int,
-                      start: float, enable_thinking: bool = True, mm: MultimodalInputs | None = None
-                      ) -> list[Request]:
+                      start: float, enable_thinking: bool = True, mm: MultimodalInputs | None = None,
+                      error: str | None = None) -> list[Request]:
         """The params.n samples of one prompt (indices first_index...); later ones reuse the first one's
         cached prompt. `start`: when preprocessing began (time.time())."""
         requests: list[Request] = []
         for sample in range(params.n):
             request = self.make_request(prompt, prompt_token_ids, params, first_index + sample, sample=sample,
                                         enable_thinking=enable_thinking, leader=requests[0] if requests else None,
-                                        mm=mm)
+                                        mm=mm, error=error)
             request.metrics.preprocess_cost_time = request.metrics.arrival_time - start
             requests.append(request)
         return requests
@@ -105,6 +107,10 @@ class LLMEngine:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}"
+        vl = cfg.model_config.multimodal
+        if vl is not None and request.mm is None and {vl.tokens.image, vl.tokens.video} & set(request.prompt_token_ids):
+            return ("the prompt holds image/video placeholder token ids but no media; pass the images/videos with "
+                    "the prompt text (multimodal_data, or content parts in chat)")
         if n >= cfg.max_model_len:
             return (f"the prompt has {n} tokens; max_model_len={cfg.max_model_len} leaves no room for output "
                     "(the prompt must be shorter than max_model_len)")

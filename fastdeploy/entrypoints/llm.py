@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -12,11 +12,21 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import Request, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.entrypoints.multimodal import MultimodalPrompts
+from fastdeploy.entrypoints.multimodal import MediaError, MultimodalPrompts, Prepared
 from fastdeploy.entrypoints.prompts import normalize_conversations, normalize_prompts, render_chat, tokenize_prompt
 from fastdeploy.input.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def _unless_media_fail(prepare: Callable[..., Prepared], *args: Any) -> tuple[Prepared, str | None]:
+    """The prepared prompt; for media that cannot be used, an empty prompt and the error that fails its
+    request alone (the other prompts of the call still run)."""
+    try:
+        return prepare(*args), None
+    except MediaError as e:
+        return (e.prompt, [], None), str(e)
+
 
 class LLM:
     """Runs a local checkpoint in this process. See docs/offline_inference.md for the parameters."""
@@ -41,11 +51,12 @@ class LLM:
         requests = []
         for item, p in zip(items, params):
             start = time.time()
+            error = None
             if self._multimodal is not None:
-                text, ids, mm = self._multimodal.from_prompt(item)
+                (text, ids, mm), error = _unless_media_fail(self._multimodal.from_prompt, item)
             else:
                 (text, ids), mm = tokenize_prompt(self.engine.tokenizer, item), None
-            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, mm=mm))
+            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, mm=mm, error=error))
         return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -61,12 +72,15 @@ class LLM:
         requests = []
         for conversation, p in zip(conversations, params):
             start = time.time()
+            error = None
             if self._multimodal is not None:
-                text, ids, mm = self._multimodal.from_chat(conversation, chat_template_kwargs, chat_template)
+                (text, ids, mm), error = _unless_media_fail(self._multimodal.from_chat, conversation,
+                                                            chat_template_kwargs, chat_template)
             else:
                 (text, ids), mm = render_chat(self.engine.tokenizer, conversation, chat_template_kwargs,
                                               chat_template), None
-            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, thinking, mm=mm))
+            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, thinking, mm=mm,
+                                                      error=error))
         return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
 
     # ---- helpers --------------------------------------------------------------------------

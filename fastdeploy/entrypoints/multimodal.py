@@ -20,12 +20,20 @@ from fastdeploy.input.tokenizer import Tokenizer
 Prepared = tuple[str | None, list[int], MultimodalInputs | None]
 
 
+class MediaError(ValueError):
+    """A prompt's media cannot be used (unreadable, undecodable, over limit_mm_per_prompt, not matching the
+    placeholders). LLM.generate / chat fail only that prompt's request with it; the server answers 400."""
+
+    def __init__(self, message: str, prompt: str | None):
+        super().__init__(message)
+        self.prompt = prompt
+
+
 @dataclass(slots=True)
 class MultimodalPrompts:
     tokenizer: Tokenizer
     tokens: Any  # VLTokenIds
     media: MediaProcessor
-    tensor_parallel_size: int
 
     @classmethod
     def create(cls, config: EngineConfig, tokenizer: Tokenizer) -> MultimodalPrompts | None:
@@ -34,22 +42,18 @@ class MultimodalPrompts:
         if vl is None:
             return None
         media = MediaProcessor.from_pretrained(config.model, config.limit_mm_per_prompt, config.mm_processor_kwargs)
-        return cls(tokenizer, vl.tokens, media, config.tensor_parallel_size)
+        return cls(tokenizer, vl.tokens, media)
 
     def _prepare(self, text: str, images: list[Any], videos: list[Any]) -> Prepared:
-        if (images or videos) and self.tensor_parallel_size > 1:
-            raise NotImplementedError("images and videos with tensor_parallel_size > 1 are not supported yet "
-                                      "(text prompts on ERNIE-4.5-VL are)")
-        ids, mm = prepare(self.tokenizer, self.tokens, self.media, text, images, videos)
+        try:
+            ids, mm = prepare(self.tokenizer, self.tokens, self.media, text, images, videos)
+        except ValueError as e:
+            raise MediaError(str(e), text) from e
         return text, ids, mm
 
     def from_prompt(self, item: Any) -> Prepared:
         if not (isinstance(item, Mapping) and item.get("multimodal_data")):
-            text, ids = tokenize_prompt(self.tokenizer, item)
-            if self.tokens.image in ids or self.tokens.video in ids:
-                raise ValueError("the prompt holds image/video placeholder tokens but no multimodal_data; pass the "
-                                 "media with the prompt text")
-            return text, ids, None
+            return *tokenize_prompt(self.tokenizer, item), None  # placeholder ids without media: the engine refuses
         unknown = sorted(set(item) - set(PROMPT_KEYS))
         if unknown:
             raise ValueError(f"prompt dict keys must be among {list(PROMPT_KEYS)}, got {unknown}")

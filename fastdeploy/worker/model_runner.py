@@ -213,14 +213,11 @@ class ModelRunner:
             return self.compiled.forward(inputs)
         if self.workers is None:
             return run_step(self.model, inputs, self.config.block_size, self.kv_caches, self.vision)
-        if inputs.vision:
-            raise NotImplementedError("images and videos under tensor parallel (tensor_parallel_size > 1) are not "
-                                      "supported yet; text prompts on ERNIE-4.5-VL are")
         # Every rank runs the same forward; Ctrl-C waits until the step's collectives are done.
         with deferred_sigint():
             self.workers.send_all(messages.Step(inputs))
             try:
-                return run_step(self.model, inputs, self.config.block_size, self.kv_caches)
+                return run_step(self.model, inputs, self.config.block_size, self.kv_caches, self.vision)
             except BaseException as e:
                 dead = self.workers.dead_workers(grace_s=0.2)
                 self.workers.close(kill=True)  # the others may be waiting in a collective that never comes

@@ -75,15 +75,16 @@ class Worker:
                                             kv_heads_per_rank(mc.num_key_value_heads, self.world_size), mc.head_dim)
 
     def serve(self) -> None:
-        from fastdeploy.worker.model_runner import run_step
+        from fastdeploy.worker.model_runner import VisionCache, run_step
 
+        vision = VisionCache()  # the vision tower is replicated: each rank encodes a request's media itself
         while True:
             try:
                 message = channel.recv(self.sock)
             except (channel.ChannelClosed, OSError):
                 return  # rank 0 closed the channel
             if isinstance(message, messages.Step):
-                run_step(self.model, message.batch, self.block_size, self.kv_caches)
+                run_step(self.model, message.batch, self.block_size, self.kv_caches, vision)
             elif isinstance(message, messages.Init):
                 self.start(message.config, message.store_port, message.group_id)
                 channel.send(self.sock, messages.Ready())

@@ -16,6 +16,7 @@ from starlette.requests import Request as HTTPRequest
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import Logprob, Request, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.entrypoints.multimodal import MultimodalPrompts, Prepared
 from fastdeploy.entrypoints.openai.engine_loop import EngineFailed, EngineLoop
 
 _DISCONNECT_POLL_S = 1.0  # a non-streaming call checks this often whether its client is still there
@@ -35,6 +36,7 @@ class ServingContext:
     loop: EngineLoop
     model_name: str
     max_concurrency: int | None = None
+    multimodal: MultimodalPrompts | None = None  # a VL model's media handling; None: text only
     in_flight: int = 0  # API calls being served (touched only on the event loop)
 
     def check_model(self, name: str | None) -> None:
@@ -61,14 +63,14 @@ def sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
         raise APIError(400, str(e), name if name.isidentifier() else None) from None
 
 
-def make_requests(ctx: ServingContext, prompts: Sequence[tuple[str | None, list[int]]], params: SamplingParams,
+def make_requests(ctx: ServingContext, prompts: Sequence[Prepared], params: SamplingParams,
                   start: float, enable_thinking: bool = True) -> list[Request]:
     """The engine requests of one API call (n per prompt, indexed prompt by prompt); a prompt the engine
     rejects (too long, ids out of range, ...) fails the whole call with its message."""
     requests: list[Request] = []
     try:
-        for text, ids in prompts:
-            requests += ctx.engine.make_requests(text, ids, params, len(requests), start, enable_thinking)
+        for text, ids, mm in prompts:
+            requests += ctx.engine.make_requests(text, ids, params, len(requests), start, enable_thinking, mm)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
     rejected = next((r for r in requests if r.error_code != 200), None)

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import jinja2
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -36,7 +37,12 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     params = sampling_params(body.to_sampling_params)
     start = time.time()
     try:
-        prompt = render_chat(ctx.engine.tokenizer, body.messages, body.chat_template_kwargs, body.chat_template)
+        if ctx.multimodal is not None:  # media are fetched and decoded off the event loop
+            prompt = await run_in_threadpool(ctx.multimodal.from_chat, body.messages, body.chat_template_kwargs,
+                                             body.chat_template)
+        else:
+            prompt = (*render_chat(ctx.engine.tokenizer, body.messages, body.chat_template_kwargs,
+                                   body.chat_template), None)
     except (ValueError, TypeError, NotImplementedError, jinja2.TemplateError) as e:
         raise APIError(400, f"messages: {e}", "messages") from None
     thinking = bool((body.chat_template_kwargs or {}).get("enable_thinking", True))

@@ -10,21 +10,22 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from fastdeploy.engine.request import Logprob, Request
+from fastdeploy.entrypoints.multimodal import Prepared
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
     SSE_DONE, APIError, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params, sse,
     top_entries, usage)
 
 
-def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-    """(text, ids) of each prompt: a str, a list of str, a list of token ids or a list of those."""
+def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prepared]:
+    """(text, ids, no media) of each prompt: a str, a list of str, a list of token ids or a list of those."""
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt or any(len(p) == 0 for p in prompt):
         raise APIError(400, "prompt must be a non-empty string, list of strings or list of token ids", "prompt")
     tokenizer = ctx.engine.tokenizer
-    return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompt]
+    return [(p, tokenizer.encode(p), None) if isinstance(p, str) else (None, list(p), None) for p in prompt]
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int,
@@ -68,10 +69,10 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, http: 
     return JSONResponse(response)
 
 
-def _echo(ctx: ServingContext, body: CompletionRequest, prompt: tuple[str | None, list[int]]) -> str:
+def _echo(ctx: ServingContext, body: CompletionRequest, prompt: Prepared) -> str:
     if not body.echo:
         return ""
-    text, ids = prompt
+    text, ids, _ = prompt
     return text if text is not None else ctx.engine.tokenizer.decode(ids, skip_special_tokens=False)
 
 
