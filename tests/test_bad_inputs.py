@@ -108,6 +108,21 @@ def test_too_long_prompt_fails_only_that_request(llm):
     assert [len(o.outputs.token_ids) for o in (outputs[0], outputs[2])] == [4, 4]
 
 
+@pytest.mark.parametrize("enable_mm", [None, False])
+def test_media_to_a_text_only_model_fail_only_their_request(tiny_hf, llm, enable_mm):
+    """Image parts in chat and multimodal_data in generate, with enable_mm left alone or set False."""
+    model = llm if enable_mm is None else LLM(model=tiny_hf, max_model_len=64, enable_mm=False)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cat.png"}},
+                                          {"type": "text", "text": "what is it?"}]}]
+    outputs = model.chat([image, [{"role": "user", "content": "hi"}]], params, use_tqdm=False)
+    assert [o.error_code for o in outputs] == [400, 200] and len(outputs[1].outputs.token_ids) == 2
+    assert "multimodal model" in outputs[0].error_msg and "image_url" in outputs[0].error_msg
+    outputs = model.generate([{"prompt": "see", "multimodal_data": {"image": ["cat.png"]}}, "hi"], params,
+                             use_tqdm=False)
+    assert [o.error_code for o in outputs] == [400, 200] and "multimodal_data" in outputs[0].error_msg
+
+
 def test_out_of_vocabulary_token_fails_only_that_request(llm):
     outputs = llm.generate([[5, 6], [10**6]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert [o.error_code for o in outputs] == [200, 400]

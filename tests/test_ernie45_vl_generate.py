@@ -214,7 +214,7 @@ def test_preempted_media_request_recomputes_to_the_reference(uncached, preempt_a
     50): its rows are re-encoded, prompt and generated tokens recomputed with the same positions."""
     case = next(c for c in CASES if c["name"] == "image_and_video")
     engine = uncached.engine
-    text, ids, mm = uncached._multimodal.from_prompt(generate_prompt(case))
+    text, ids, mm = uncached._prompts.from_prompt(generate_prompt(case))
     request = engine.make_requests(text, ids, GREEDY, 0, 0.0, mm=mm)[0]
     engine.add_request(request)
     steps = 0

@@ -12,8 +12,9 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import Request, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.entrypoints.multimodal import MediaError, MultimodalPrompts, Prepared
-from fastdeploy.entrypoints.prompts import normalize_conversations, normalize_prompts, render_chat, tokenize_prompt
+from fastdeploy.entrypoints.multimodal import prompts_for
+from fastdeploy.entrypoints.prompts import Prepared, normalize_conversations, normalize_prompts
+from fastdeploy.input.media import MediaError
 from fastdeploy.input.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model, **kwargs)
         self.engine = LLMEngine(self.config)
-        self._multimodal = MultimodalPrompts.create(self.config, self.engine.tokenizer)
+        self._prompts = prompts_for(self.config, self.engine.tokenizer)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -51,11 +52,7 @@ class LLM:
         requests = []
         for item, p in zip(items, params):
             start = time.time()
-            error = None
-            if self._multimodal is not None:
-                (text, ids, mm), error = _unless_media_fail(self._multimodal.from_prompt, item)
-            else:
-                (text, ids), mm = tokenize_prompt(self.engine.tokenizer, item), None
+            (text, ids, mm), error = _unless_media_fail(self._prompts.from_prompt, item)
             requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, mm=mm, error=error))
         return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
 
@@ -72,13 +69,8 @@ class LLM:
         requests = []
         for conversation, p in zip(conversations, params):
             start = time.time()
-            error = None
-            if self._multimodal is not None:
-                (text, ids, mm), error = _unless_media_fail(self._multimodal.from_chat, conversation,
-                                                            chat_template_kwargs, chat_template)
-            else:
-                (text, ids), mm = render_chat(self.engine.tokenizer, conversation, chat_template_kwargs,
-                                              chat_template), None
+            (text, ids, mm), error = _unless_media_fail(self._prompts.from_chat, conversation, chat_template_kwargs,
+                                                        chat_template)
             requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, thinking, mm=mm,
                                                       error=error))
         return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)

@@ -1,5 +1,5 @@
-"""Multimodal prompts (ERNIE-4.5-VL) for LLM.generate / chat: media of the chat's content parts or of
-`multimodal_data` -> (prompt text, expanded token ids, MultimodalInputs)."""
+"""Multimodal prompts (ERNIE-4.5-VL) for LLM.generate / chat and the server: media of the chat's content
+parts or of `multimodal_data` -> (prompt text, expanded token ids, MultimodalInputs)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -7,26 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.entrypoints.prompts import PROMPT_KEYS, render_chat_text, tokenize_prompt
-from fastdeploy.input.ernie4_5_vl_processor import (
-    MediaProcessor,
-    MultimodalInputs,
-    media_of_messages,
-    multimodal_data_media,
-    prepare,
-)
+from fastdeploy.entrypoints.prompts import PROMPT_KEYS, Prepared, TextPrompts, render_chat_text, tokenize_prompt
+from fastdeploy.input.ernie4_5_vl_processor import MediaProcessor, media_of_messages, multimodal_data_media, prepare
+from fastdeploy.input.media import MediaError
 from fastdeploy.input.tokenizer import Tokenizer
-
-Prepared = tuple[str | None, list[int], MultimodalInputs | None]
-
-
-class MediaError(ValueError):
-    """A prompt's media cannot be used (unreadable, undecodable, over limit_mm_per_prompt, not matching the
-    placeholders). LLM.generate / chat fail only that prompt's request with it; the server answers 400."""
-
-    def __init__(self, message: str, prompt: str | None):
-        super().__init__(message)
-        self.prompt = prompt
 
 
 @dataclass(slots=True)
@@ -67,3 +51,8 @@ class MultimodalPrompts:
                   chat_template: str | None) -> Prepared:
         text = render_chat_text(self.tokenizer, conversation, chat_template_kwargs, chat_template, allow_media=True)
         return self._prepare(text, *media_of_messages(conversation))
+
+
+def prompts_for(config: EngineConfig, tokenizer: Tokenizer) -> TextPrompts | MultimodalPrompts:
+    """How the model's prompts become token ids (and media inputs)."""
+    return MultimodalPrompts.create(config, tokenizer) or TextPrompts(tokenizer)

@@ -3,13 +3,17 @@ text and token ids."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
 
+from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
+from fastdeploy.input.media import MediaError
 from fastdeploy.input.tokenizer import Tokenizer
 
 PromptType = Union[str, list[int], dict[str, Any]]
+Prepared = tuple[str | None, list[int], MultimodalInputs | None]  # prompt text, token ids, media
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multimodal_data")
 
 
@@ -49,8 +53,8 @@ def check_message(message: dict[str, Any], allow_media: bool = False) -> dict[st
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in ("image_url", "video_url", "image", "video") and not allow_media:
-                raise NotImplementedError(f"content parts of type {kind!r} need a multimodal model "
-                                          "(ERNIE-4.5-VL)")
+                raise MediaError(f"content parts of type {kind!r} need a multimodal model (ERNIE-4.5-VL); this "
+                                 "model is text-only")
     elif content is not None and not isinstance(content, str):
         raise TypeError(f"message content must be a str or a list of parts, got {type(content).__name__}")
     return message
@@ -65,7 +69,8 @@ def tokenize_prompt(tokenizer: Tokenizer, item: PromptType) -> tuple[str | None,
         if unknown:
             raise ValueError(f"prompt dict keys must be among {list(PROMPT_KEYS)}, got {unknown}")
         if item.get("multimodal_data"):
-            raise NotImplementedError("multimodal_data needs a multimodal model (ERNIE-4.5-VL)")
+            raise MediaError("multimodal_data needs a multimodal model (ERNIE-4.5-VL); this model is text-only",
+                             item.get("prompt"))
         text, ids = item.get("prompt"), item.get("prompt_token_ids")
         if ids is not None:
             if not _is_token_ids(ids):
@@ -92,3 +97,17 @@ def render_chat(tokenizer: Tokenizer, conversation: Sequence[Mapping[str, Any]],
     """(prompt text, token ids) of one conversation rendered with the chat template."""
     text = render_chat_text(tokenizer, conversation, chat_template_kwargs, chat_template)
     return text, tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
+
+
+@dataclass(slots=True)
+class TextPrompts:
+    """A text-only model's prompts: the same calls as MultimodalPrompts, media refused with MediaError."""
+
+    tokenizer: Tokenizer
+
+    def from_prompt(self, item: PromptType) -> Prepared:
+        return *tokenize_prompt(self.tokenizer, item), None
+
+    def from_chat(self, conversation: Sequence[Mapping[str, Any]], chat_template_kwargs: Mapping[str, Any] | None,
+                  chat_template: str | None) -> Prepared:
+        return *render_chat(self.tokenizer, conversation, chat_template_kwargs, chat_template), None

@@ -21,6 +21,16 @@ _CHUNK = 1 << 16
 
 
 
+class MediaError(ValueError):
+    """A prompt's media cannot be used: unreadable or undecodable, over limit_mm_per_prompt, not matching the
+    placeholders, or sent to a text-only model. LLM.generate / chat fail only that prompt's request with
+    it (`prompt`: its rendered text, when known); the server answers 400."""
+
+    def __init__(self, message: str, prompt: str | None = None):
+        super().__init__(message)
+        self.prompt = prompt
+
+
 def _describe(source: object) -> str:
     text = str(source)
     return text if len(text) <= 100 else text[:97] + "..."

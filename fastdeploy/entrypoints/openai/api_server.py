@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.entrypoints.multimodal import MultimodalPrompts
+from fastdeploy.entrypoints.multimodal import prompts_for
 from fastdeploy.entrypoints.openai.cli_args import engine_config, make_parser
 from fastdeploy.entrypoints.openai.engine_loop import EngineLoop
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
@@ -168,8 +168,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = LLMEngine(config)
     registry = CollectorRegistry()
     loop = EngineLoop(engine, ServerMetrics(registry))
-    ctx = ServingContext(engine, loop, args.served_model_name or args.model, args.max_concurrency,
-                         MultimodalPrompts.create(config, engine.tokenizer))
+    ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer), args.served_model_name or args.model,
+                         args.max_concurrency)
     gate = build_app(ctx, args.api_key, registry if args.metrics_port is None else None)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host, registry=registry)

@@ -16,7 +16,8 @@ from starlette.requests import Request as HTTPRequest
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import Logprob, Request, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.entrypoints.multimodal import MultimodalPrompts, Prepared
+from fastdeploy.entrypoints.multimodal import MultimodalPrompts
+from fastdeploy.entrypoints.prompts import Prepared, TextPrompts
 from fastdeploy.entrypoints.openai.engine_loop import EngineFailed, EngineLoop
 
 _DISCONNECT_POLL_S = 1.0  # a non-streaming call checks this often whether its client is still there
@@ -34,9 +35,9 @@ class APIError(Exception):
 class ServingContext:
     engine: LLMEngine
     loop: EngineLoop
+    prompts: TextPrompts | MultimodalPrompts  # how chat messages become token ids (and media inputs)
     model_name: str
     max_concurrency: int | None = None
-    multimodal: MultimodalPrompts | None = None  # a VL model's media handling; None: text only
     in_flight: int = 0  # API calls being served (touched only on the event loop)
 
     def check_model(self, name: str | None) -> None:

@@ -15,7 +15,6 @@ from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
     SSE_DONE, APIError, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params, sse,
     top_entries, usage)
-from fastdeploy.entrypoints.prompts import render_chat
 
 
 def _token_logprob(token: int, entry: dict[int, Logprob], k: int) -> dict[str, Any]:
@@ -37,12 +36,9 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     params = sampling_params(body.to_sampling_params)
     start = time.time()
     try:
-        if ctx.multimodal is not None:  # media are fetched and decoded off the event loop
-            prompt = await run_in_threadpool(ctx.multimodal.from_chat, body.messages, body.chat_template_kwargs,
-                                             body.chat_template)
-        else:
-            prompt = (*render_chat(ctx.engine.tokenizer, body.messages, body.chat_template_kwargs,
-                                   body.chat_template), None)
+        # Off the event loop: media are fetched and decoded here.
+        prompt = await run_in_threadpool(ctx.prompts.from_chat, body.messages, body.chat_template_kwargs,
+                                         body.chat_template)
     except (ValueError, TypeError, NotImplementedError, jinja2.TemplateError) as e:
         raise APIError(400, f"messages: {e}", "messages") from None
     thinking = bool((body.chat_template_kwargs or {}).get("enable_thinking", True))
