@@ -25,6 +25,7 @@ struct AttentionArgs {
   float* out;              // [T, H * D]
   int64_t T, B, H, KVH, D, S, max_blocks, block_size;
   float scale;
+  bool causal = true;  // false: every query attends to its request's whole context (a ViT's patches)
 };
 
 struct LinearArgs {

@@ -45,7 +45,8 @@ struct Index {
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle::Tensor& k, const paddle::Tensor& v,
                                            paddle::Tensor& kv_cache, const paddle::Tensor& slot_mapping,
                                            const paddle::Tensor& query_start_loc, const paddle::Tensor& context_lens,
-                                           const paddle::Tensor& block_tables, int block_size, float scale) {
+                                           const paddle::Tensor& block_tables, int block_size, float scale,
+                                           bool causal) {
   check_f32(q, "q");
   check_f32(k, "k");
   check_f32(v, "v");
@@ -78,7 +79,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   }
   auto out = paddle::empty({T, H * D}, paddle::DataType::FLOAT32, q.place());
   fd::AttentionArgs a{q.data<float>(), k.data<float>(), v.data<float>(), kv_cache.data<float>(), slots.p, qsl.p,
-                      ctx.p, table.p, out.data<float>(), T, B, H, KVH, D, S, MB, block_size, scale};
+                      ctx.p, table.p, out.data<float>(), T, B, H, KVH, D, S, MB, block_size, scale, causal};
   if (T > 0) kernels().attention(a);
   return {out};
 }
@@ -387,7 +388,7 @@ std::vector<Shape> HalfLastShape(const Shape& x) {
 PD_BUILD_OP(fd_paged_attention)
     .Inputs({"q", "k", "v", "kv_cache", "slot_mapping", "query_start_loc", "context_lens", "block_tables"})
     .Outputs({"kv_cache_out", "out"})
-    .Attrs({"block_size: int", "scale: float"})
+    .Attrs({"block_size: int", "scale: float", "causal: bool"})
     .SetInplaceMap({{"kv_cache", "kv_cache_out"}})
     .SetKernelFn(PD_KERNEL(PagedAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionShape))

@@ -56,7 +56,7 @@ def schedule(model_vocab: int, seed: int) -> list[ForwardBatch]:
 
 @pytest.mark.parametrize("quantization", [None, "wint8", "wint4"])
 @pytest.mark.parametrize("name", ["ernie45_tiny_hf", "ernie45_tiny_paddle", "ernie45_moe_tiny_hf",
-                                  "ernie45_moe_tiny_paddle", "qwen2_tiny", "qwen3_tiny"])
+                                  "ernie45_moe_tiny_paddle", "qwen2_tiny", "qwen3_tiny", "ernie45_vl_tiny_hf"])
 def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> None:
     model = load_model(ModelConfig.from_pretrained(MODELS / name), quantization=quantization)
     cfg = model.config
@@ -80,6 +80,21 @@ def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> Non
         np.testing.assert_array_equal(got.numpy(), expected.numpy(), err_msg=f"step {i} logits")
     for layer, (a, b) in enumerate(zip(layer_caches, compiled_caches)):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=f"layer {layer} KV cache")
+
+
+def test_multimodal_steps_run_compiled_only_without_vision_rows() -> None:
+    """ERNIE-4.5-VL (whose text-only steps are checked above): a step of text tokens with 3-D positions
+    (t = h = w) runs compiled on its 1-D positions; one with image tokens or unequal rows does not."""
+    text = ForwardBatch(np.asarray([5, 6], np.int64), np.asarray([[7, 8]] * 3, np.int64), [2], [9], [[0]],
+                        np.asarray([1], np.int64), token_types=np.zeros(2, np.int64))
+    ran = CompiledDecoder.covers(text)
+    assert ran is not None and ran.positions.tolist() == [7, 8] and ran.token_types is None
+    image = ForwardBatch(text.token_ids, text.positions, [2], [9], [[0]], text.logit_rows,
+                         token_types=np.asarray([0, 1], np.int64))
+    assert CompiledDecoder.covers(image) is None
+    moved = ForwardBatch(text.token_ids, np.asarray([[7, 8], [7, 9], [7, 8]], np.int64), [2], [9], [[0]],
+                         text.logit_rows, token_types=np.zeros(2, np.int64))
+    assert CompiledDecoder.covers(moved) is None
 
 
 def test_bad_batch_is_a_clear_error() -> None:

@@ -1,13 +1,18 @@
 """Random checkpoints of real model shapes, streamed to disk shard by shard (never held in memory).
 Used by benchmarks/large_models.py, and by tests with small shapes.
 
-Two shapes, HF (-PT) layout, bf16 (the MoE router and its correction bias in float32, as transformers
+Three shapes, HF (-PT) layout, bf16 (the MoE router and its correction bias in float32, as transformers
 keeps them):
   ernie-4.5-21b-a3b  vocab 103424, hidden 2560, 28 layers (layer 0 dense FFN 12288, then MoE: 64
                      experts, top-6, expert FFN 1536, 2 shared experts), 20 q / 4 kv heads x 128,
                      tied embeddings; 21.8 B parameters
   qwen2-7b           vocab 152064, hidden 3584, 28 layers, 28 q / 4 kv heads x 128, FFN 18944, q/k/v
                      biases, untied LM head; 7.6 B parameters
+  ernie-4.5-vl-28b-a3b  the 21B-A3B text shape with a second (vision) expert set per MoE layer (64 experts,
+                     FFN 512, its own router and correction-bias row), 3-D rotary (t/h/w = 20/22/22 of
+                     64 frequencies), and the vision side: a 32-block ViT (width 1280, 16 heads, FFN
+                     5120, 14-pixel patches) and the resampler (2x2 spatial then 2-frame temporal merge
+                     to the text width); tokenizer and processor configs of the tiny VL test fixture
 `layers` cuts the depth (the first layers, so a cut MoE model keeps its dense layer 0). Values come
 from a pool of normal samples (std 0.02) read at rotating offsets: writing is bounded by the disk.
 """
@@ -26,8 +31,19 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_tiny_models import BASE_CONFIG, copy_tokenizer, to_bf16_bits  # noqa: E402
 
+VL_FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "models" / "ernie45_vl_tiny_hf"
 SHARD_BYTES = 4 << 30
 STD = 0.02
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    depth: int = 32
+    width: int = 1280
+    heads: int = 16
+    ffn: int = 5120
+    patch: int = 14
+    merge: int = 2
 
 
 @dataclass(frozen=True)
@@ -44,11 +60,16 @@ class ModelShape:
     top_k: int = 0
     expert_ffn: int = 0
     shared_experts: int = 0
+    vision_expert_ffn: int = 0  # ernie_vl: the vision expert set's FFN
+    vision: VisionShape | None = None
 
 
 SHAPES = {
     "ernie-4.5-21b-a3b": ModelShape("ernie_moe", vocab=103424, hidden=2560, layers=28, heads=20, kv_heads=4,
                                     head_dim=128, ffn=12288, experts=64, top_k=6, expert_ffn=1536, shared_experts=2),
+    "ernie-4.5-vl-28b-a3b": ModelShape("ernie_vl", vocab=103424, hidden=2560, layers=28, heads=20, kv_heads=4,
+                                       head_dim=128, ffn=12288, experts=64, top_k=6, expert_ffn=1536,
+                                       shared_experts=2, vision_expert_ffn=512, vision=VisionShape()),
     "qwen2-7b": ModelShape("qwen2", vocab=152064, hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128,
                            ffn=18944),
 }
@@ -77,11 +98,46 @@ def tensor_specs(s: ModelShape, layers: int) -> list[Spec]:
             for e in range(s.experts):
                 specs += _mlp(f"{p}mlp.experts.{e}.", h, s.expert_ffn)
             specs += _mlp(p + "mlp.shared_experts.", h, s.expert_ffn * s.shared_experts)
+        elif s.family == "ernie_vl" and i > 0:  # routers stored [hidden, experts]; experts: text, then vision
+            specs += [(p + "mlp.gate.weight", "F32", (h, s.experts), "normal"),
+                      (p + "mlp.gate.weight_1", "F32", (h, s.experts), "normal"),
+                      (p + "mlp.moe_statics.e_score_correction_bias", "F32", (2, s.experts), "small")]
+            for e in range(2 * s.experts):
+                specs += _mlp(f"{p}mlp.experts.{e}.", h, s.expert_ffn if e < s.experts else s.vision_expert_ffn)
+            specs += _mlp(p + "mlp.shared_experts.", h, s.expert_ffn * s.shared_experts)
         else:
             specs += _mlp(p + "mlp.", h, s.ffn)
     specs.append(("model.norm.weight", "BF16", (h,), "ones"))
     if s.family == "qwen2":
         specs.append(("lm_head.weight", "BF16", (s.vocab, h), "normal"))
+    if s.vision is not None:
+        specs += _vision_specs(s.vision, h)
+    return specs
+
+
+def _vision_specs(v: VisionShape, text_hidden: int) -> list[Spec]:
+    w, merged = v.width, v.width * v.merge ** 2
+
+    def linear(name: str, out: int, inp: int, bias: bool = True) -> list[Spec]:
+        return [(name + ".weight", "BF16", (out, inp), "normal")] + ([(name + ".bias", "BF16", (out,), "normal")]
+                                                                      if bias else [])
+
+    def norm(name: str, size: int) -> list[Spec]:
+        return [(name + ".weight", "BF16", (size,), "ones"), (name + ".bias", "BF16", (size,), "normal")]
+
+    p = "model.vision_model."
+    specs = linear(p + "patch_embed.proj", w, 3 * v.patch ** 2, bias=False)
+    for i in range(v.depth):
+        b = f"{p}blocks.{i}."
+        specs += (norm(b + "norm1", w) + norm(b + "norm2", w) + linear(b + "attn.qkv", 3 * w, w)
+                  + linear(b + "attn.proj", w, w) + linear(b + "mlp.fc1", v.ffn, w) + linear(b + "mlp.fc2", w, v.ffn))
+    specs += norm(p + "ln", w)
+    r = "model.resampler_model."
+    for merge, inp in (("spatial_linear", merged), ("temporal_linear", 2 * merged)):
+        specs += linear(f"{r}{merge}.0", merged, inp) + linear(f"{r}{merge}.2", merged, merged) + norm(f"{r}{merge}.3",
+                                                                                                      merged)
+    specs += linear(r + "mlp", text_hidden, merged)
+    specs.append((r + "after_norm.weight", "BF16", (text_hidden,), "ones"))
     return specs
 
 
@@ -92,6 +148,8 @@ def _mlp(p: str, hidden: int, ffn: int) -> list[Spec]:
 
 
 def config_for(s: ModelShape, layers: int) -> dict[str, object]:
+    if s.family == "ernie_vl":
+        return _vl_config(s, layers)
     common = dict(hidden_size=s.hidden, num_hidden_layers=layers, num_attention_heads=s.heads,
                   num_key_value_heads=s.kv_heads, head_dim=s.head_dim, vocab_size=s.vocab, intermediate_size=s.ffn,
                   torch_dtype="bfloat16", max_position_embeddings=131072)
@@ -103,6 +161,28 @@ def config_for(s: ModelShape, layers: int) -> dict[str, object]:
                 moe_intermediate_size=s.expert_ffn, moe_num_shared_experts=s.shared_experts,
                 moe_layer_start_index=1, moe_layer_end_index=layers - 1, moe_layer_interval=1, moe_norm_min=1e-12,
                 moe_gate_act="softmax", tie_word_embeddings=True)
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """[h, w, t] frequencies: the 28B model's 22/22/20 of 64, scaled to other head sizes."""
+    half = head_dim // 2
+    hw = (half - round(half * 20 / 64)) // 2
+    return [hw, hw, half - 2 * hw]
+
+
+def _vl_config(s: ModelShape, layers: int) -> dict[str, object]:
+    """The tiny VL fixture's config (token ids, processor settings) with the real shape's sizes."""
+    config = json.loads((VL_FIXTURE / "config.json").read_text())
+    config["text_config"].update(
+        hidden_size=s.hidden, num_hidden_layers=layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim, vocab_size=s.vocab, intermediate_size=s.ffn, moe_num_experts=s.experts, moe_k=s.top_k,
+        moe_intermediate_size=[s.expert_ffn, s.vision_expert_ffn], moe_num_shared_experts=s.shared_experts,
+        mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
+        rope_parameters={"mrope_section": _mrope_section(s.head_dim), "rope_theta": 500000.0, "rope_type": "default"})
+    v = s.vision
+    config["vision_config"].update(depth=v.depth, hidden_size=v.width, num_heads=v.heads, intermediate_size=v.ffn,
+                                   patch_size=v.patch, spatial_merge_size=v.merge)
+    return config
 
 
 _ITEM = {"BF16": 2, "F32": 4}
@@ -173,5 +253,10 @@ def write_checkpoint(out: Path, shape: ModelShape, layers: int, progress: bool =
                     pool.write(f, dtype, count, fill)
                     bar.update(count * _ITEM[dtype])
     (out / "config.json").write_text(json.dumps(config_for(shape, layers), indent=2))
-    copy_tokenizer(out)  # token ids beyond its vocabulary are never decoded: detokenize=False
+    if shape.vision is not None:  # the fixture's tokenizer (with the image/video tokens) and processor configs
+        for f in VL_FIXTURE.iterdir():
+            if f.name not in ("config.json", "model.safetensors"):
+                shutil.copy2(f, out / f.name)
+    else:
+        copy_tokenizer(out)  # token ids beyond its vocabulary are never decoded: detokenize=False
     done.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))

@@ -4,7 +4,8 @@ Every wrapper takes `use_compiled=True`; when the compiled library cannot be bui
 compiler, no AVX2), the wrappers run the reference implementations after one logged warning.
 """
 from fastdeploy.ops.activation import silu_and_mul, silu_and_mul_reference
-from fastdeploy.ops.attention import paged_attention, paged_attention_reference
+from fastdeploy.ops.attention import (bidirectional_attention, bidirectional_attention_reference, paged_attention,
+                                      paged_attention_reference)
 from fastdeploy.ops.embedding import embedding_lookup, embedding_lookup_reference
 from fastdeploy.ops.build import library, runtime_info, set_isa, set_num_threads, share_cores
 from fastdeploy.ops.linear import weight_only_linear, weight_only_linear_reference
@@ -18,7 +19,8 @@ from fastdeploy.ops.rotary import apply_rotary_, apply_rotary_reference, rotary_
 from fastdeploy.ops.sampling import sample, sample_reference
 
 __all__ = [
-    "FORMATS", "PackedWeight", "apply_rotary_", "apply_rotary_reference", "embedding_lookup",
+    "FORMATS", "PackedWeight", "apply_rotary_", "apply_rotary_reference", "bidirectional_attention",
+    "bidirectional_attention_reference", "embedding_lookup",
     "embedding_lookup_reference", "empty_packed", "fused_moe", "fused_moe_reference", "grouped_expert_forward",
     "keep_freed_memory", "library", "pack_into", "pack_into_reference", "pack_weight", "pack_weight_reference",
     "paged_attention", "paged_attention_reference", "rms_norm", "rms_norm_reference", "rotary_cos_sin",

@@ -1,4 +1,5 @@
-"""Paged attention over a ragged batch, with the KV write into the block pool.
+"""Paged attention over a ragged batch, with the KV write into the block pool; and attention without a
+causal mask over a ragged batch of sequences held in memory (a ViT's frames), on the same kernel.
 
 One call serves decode tokens and prefill chunks alike: request b owns the new tokens
 query_start_loc[b] .. query_start_loc[b+1]-1, which are the last tokens of its context_lens[b]; its
@@ -76,4 +77,48 @@ def paged_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, kv_cac
         return paged_attention_reference(q, k, v, kv_cache, slot_mapping, query_start_loc, context_lens,
                                          block_tables, block_size, scale)
     return call_op(lib, "fd_paged_attention", q, k, v, kv_cache, slot_mapping, query_start_loc, context_lens,
-                   block_tables, int(block_size), float(scale))[1]
+                   block_tables, int(block_size), float(scale), True)[1]
+
+
+_SCORE_BYTES = 1 << 28  # the reference computes at most this many bytes of scores at once
+
+
+def bidirectional_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, starts: np.ndarray,
+                                      scale: float) -> paddle.Tensor:
+    """Pure Paddle, one sequence at a time, queries chunked. Same contract as `bidirectional_attention`."""
+    t, h, d = q.shape
+    group = h // k.shape[1]
+    outs = []
+    for lo, hi in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        if hi == lo:
+            continue
+        keys = paddle.repeat_interleave(k[lo:hi], group, axis=1).transpose([1, 2, 0])  # [H, D, n]
+        values = paddle.repeat_interleave(v[lo:hi], group, axis=1).transpose([1, 0, 2])  # [H, n, D]
+        queries = q[lo:hi].transpose([1, 0, 2])  # [H, n, D]
+        chunk = max(1, _SCORE_BYTES // (4 * h * (hi - lo)))
+        for c in range(0, hi - lo, chunk):
+            probs = F.softmax(paddle.matmul(queries[:, c:c + chunk], keys) * scale, axis=-1)
+            outs.append(paddle.matmul(probs, values).transpose([1, 0, 2]).reshape([-1, h * d]))
+    if not outs:
+        return paddle.zeros([t, h * d], dtype="float32")
+    return paddle.concat(outs, axis=0)
+
+
+def bidirectional_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, starts: np.ndarray, scale: float,
+                            *, use_compiled: bool = True) -> paddle.Tensor:
+    """Attention without a causal mask inside each sequence of a ragged batch (a ViT's frames): q [T, H, D],
+    k/v [T, KVH, D] float32, sequence b owning rows starts[b] .. starts[b + 1] - 1 (starts [B + 1] int64,
+    from 0 to T). Returns [T, H * D]. The compiled op is the paged one reading k/v in place as its cache
+    (block size 1, nothing written)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    if starts.ndim != 1 or starts.size < 1 or starts[0] != 0 or starts[-1] != q.shape[0] or np.any(np.diff(starts) < 0):
+        raise ValueError(f"starts must rise from 0 to T = {q.shape[0]}, got {starts.tolist()[:8]}...")
+    lib = compiled(use_compiled)
+    if lib is None or q.shape[-1] % 16:
+        return bidirectional_attention_reference(q, k, v, starts, scale)
+    lens = np.diff(starts)
+    width = max(int(lens.max(initial=0)), 1)
+    tables = np.minimum(starts[:-1, None] + np.arange(width), max(q.shape[0] - 1, 0))  # slot of each position
+    return call_op(lib, "fd_paged_attention", q, k, v, paddle.stack([k, v]),
+                   paddle.full([q.shape[0]], -1, dtype="int64"), paddle.to_tensor(starts), paddle.to_tensor(lens),
+                   paddle.to_tensor(tables), 1, float(scale), False)[1]

@@ -2,7 +2,8 @@
 
 `CompiledDecoder.build(model, ...)` describes a loaded `CausalLM` (ERNIE-4.5 dense or MoE, Qwen2, Qwen3)
 to the library once: pointers to its packed weights, norms, biases and KV cache layers, and a table of
-rotary cos/sin rows. Each `forward` then runs embedding, every layer, the final norm and the LM head
+rotary cos/sin rows. ERNIE-4.5-VL runs its text-only steps (decode, text chunks) here with the text
+experts; steps with vision rows take the layer path. Each `forward` then runs embedding, every layer, the final norm and the LM head
 without returning to Python. The kernels and their order are the layer-by-layer path's, so the logits
 and the KV cache are the same bits; what goes away is ~10 Paddle op dispatches per layer and the
 Python around them, which at one stream took longer than streaming the weights. The Paddle path
@@ -12,6 +13,7 @@ no compiled library).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +27,7 @@ from fastdeploy.ops.build import OpsLibrary
 from fastdeploy.model_executor.forward_context import attention_metadata
 from fastdeploy.model_executor.layers.linear import GatedMLP
 from fastdeploy.model_executor.layers.moe import SparseMoE
+from fastdeploy.model_executor.layers.moe_multimodal import MultimodalMoE
 from fastdeploy.ops.quant import FORMATS, PackedWeight
 from fastdeploy.worker.step_types import ForwardBatch
 
@@ -86,11 +89,9 @@ def unsupported_reason(model: nn.Layer) -> str | None:
         return f"{type(model).__name__} is not a decoder CausalLM"
     if model.lm_head.tp.size != 1:
         return "tensor parallel"
-    if getattr(model.config, "multimodal", None) is not None:
-        return "multimodal model (3-D positions, vision rows)"
     for layer in decoder.layers:
         mlp = layer.mlp
-        if isinstance(mlp, SparseMoE):
+        if isinstance(mlp, (SparseMoE, MultimodalMoE)):
             shared = mlp.shared_experts
             if shared is not None and (shared.up_gate_proj.bias is not None or shared.down_proj.bias is not None):
                 return "shared experts with biases"
@@ -110,12 +111,16 @@ def _layer(layer: nn.Layer, kv_cache: paddle.Tensor) -> _Layer:
         out.up_gate, out.up_gate_bias = _weight(mlp.up_gate_proj.packed), _address(mlp.up_gate_proj.bias)
         out.down, out.down_bias = _weight(mlp.down_proj.packed), _address(mlp.down_proj.bias)
         return out
-    out.router, out.correction_bias = _weight(mlp.gate.packed), _address(mlp.moe_statics.e_score_correction_bias)
-    out.experts_up_gate, out.experts_down = _weight(mlp.experts.up_gate.value), _weight(mlp.experts.down.value)
+    # ERNIE-4.5-VL: the text experts, their router and correction-bias row 0 (the start of the [2, E] tensor).
+    multimodal = isinstance(mlp, MultimodalMoE)
+    router, experts = (mlp.gate.text.value, mlp.experts.text) if multimodal else (mlp.gate.packed, mlp.experts)
+    out.router, out.correction_bias = _weight(router), _address(mlp.moe_statics.e_score_correction_bias)
+    out.experts_up_gate, out.experts_down = _weight(experts.up_gate.value), _weight(experts.down.value)
     if mlp.shared_experts is not None:
         out.shared_up_gate = _weight(mlp.shared_experts.up_gate_proj.packed)
         out.shared_down = _weight(mlp.shared_experts.down_proj.packed)
-    out.num_experts, out.expert_start, out.local_experts = mlp.num_experts, mlp.experts.start, mlp.experts.count
+    num_experts = mlp.num_experts[0] if multimodal else mlp.num_experts
+    out.num_experts, out.expert_start, out.local_experts = num_experts, experts.start, experts.count
     out.top_k, out.norm_min, out.renormalize = mlp.top_k, mlp.norm_min or 0.0, mlp.norm_min is not None
     return out
 
@@ -140,7 +145,7 @@ class CompiledDecoder:
         self._model = _Model(
             layers=self._layers, num_layers=len(layers), hidden=cfg.hidden_size, heads=attn.num_heads,
             kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, max_ffn=max(_ffn_width(l) for l in decoder.layers),
-            max_top_k=max((l.mlp.top_k for l in decoder.layers if isinstance(l.mlp, SparseMoE)), default=0),
+            max_top_k=max((l.mlp.top_k for l in decoder.layers if not isinstance(l.mlp, GatedMLP)), default=0),
             cache_slots=int(kv_caches[0].shape[1]), block_size=block_size, eps=decoder.norm.eps,
             attn_scale=attn.attn.scale, interleaved=decoder.rotary.interleaved,
             embedding=_weight(decoder.embed_tokens.weight.value), lm_head=_weight(model.lm_head.packed),
@@ -179,9 +184,20 @@ class CompiledDecoder:
             return None
         return cls(lib, model, kv_caches, block_size, max_positions)
 
+    @staticmethod
+    def covers(inputs: ForwardBatch) -> ForwardBatch | None:
+        """The batch as this step runs it, or None when it needs the layer path: a multimodal step with
+        vision rows. A multimodal step of text tokens only has t = h = w, which is the 1-D rotary."""
+        if inputs.token_types is None:
+            return inputs
+        positions = inputs.positions
+        if inputs.vision or inputs.token_types.any() or not (positions == positions[0]).all():
+            return None
+        return dataclasses.replace(inputs, positions=positions[0], token_types=None)
+
     def forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
         """The batch's forward pass (writing its K/V into the cache): logits [R, vocab] of `logit_rows`,
-        None when no row needs them."""
+        None when no row needs them. Only batches `covers` returned."""
         slots, starts, ctx_lens, tables = attention_metadata(inputs.query_lens, inputs.context_lens,
                                                              inputs.block_tables, self._model.block_size)
         ids = np.ascontiguousarray(inputs.token_ids, dtype=np.int64)

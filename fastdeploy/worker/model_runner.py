@@ -209,8 +209,9 @@ class ModelRunner:
         return output
 
     def _forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
-        if self.compiled is not None:
-            return self.compiled.forward(inputs)
+        compiled = self.compiled.covers(inputs) if self.compiled is not None else None
+        if compiled is not None:
+            return self.compiled.forward(compiled)
         if self.workers is None:
             return run_step(self.model, inputs, self.config.block_size, self.kv_caches, self.vision)
         # Every rank runs the same forward; Ctrl-C waits until the step's collectives are done.

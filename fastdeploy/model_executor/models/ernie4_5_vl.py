@@ -88,11 +88,13 @@ class Ernie4_5_VLMoeForConditionalGeneration(Ernie4_5ForCausalLM):
         return checkpoint_name.startswith(VISION_PREFIXES)
 
     def load_separately(self, checkpoint: Checkpoint, quantization: str | None, available_bytes: int | None) -> None:
-        """The vision encoder's tensors, kept as stored (bf16): the text model's `quantization` is not
-        applied to the tower, whose weights are a small part of the model."""
-        layout = self.vision_encoder.load_weights(checkpoint, None, available_bytes)
+        """The vision encoder's tensors: as stored (bf16) for an unquantized model, int8 under wint8 and
+        wint4 alike. The tower is compute-bound (a 448x448 image is 1024 patch rows), where the int8 GEMM
+        runs ~3x the bf16 one; int4 would be no faster there and costs accuracy for ~0.3 GB."""
+        vision_quantization = None if quantization is None else "wint8"
+        layout = self.vision_encoder.load_weights(checkpoint, vision_quantization, available_bytes)
         self.vision_encoder.eval()
-        logger.info("loaded the vision encoder (%s layout, unquantized)", layout)
+        logger.info("loaded the vision encoder (%s layout, %s)", layout, vision_quantization or "unquantized")
 
     # ---- forward ----
     def encode_vision(self, pixel_values: paddle.Tensor, grid_thw: Grid) -> paddle.Tensor:

@@ -44,7 +44,6 @@ from fastdeploy.model_executor.model_config import CONFIG_FILE, FieldReader
 logger = logging.getLogger(__name__)
 
 Grid = Sequence[Sequence[int]]  # (t, h, w) per item
-_SCORE_BYTES = 1 << 28  # attention scores computed at once (queries are chunked to stay below)
 # checkpoint prefix -> this module's prefix, the first match wins
 _PREFIXES = (("model.vision_model.", "vision_model."), ("vision_model.", "vision_model."),
              ("model.resampler_model.", "resampler_model."), ("ernie.resampler_model.", "resampler_model."),
@@ -150,16 +149,10 @@ def _merge_block_positions(grid: Grid, merge: int) -> np.ndarray:
     return np.concatenate(rows)
 
 
-def _attend(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, scale: float) -> paddle.Tensor:
-    """Non-causal softmax attention of q, k, v [B, H, L, D] (B frames), queries chunked so that the
-    scores of one chunk stay below _SCORE_BYTES."""
-    b, h, length, _ = q.shape
-    chunk = max(1, _SCORE_BYTES // (4 * b * h * length))
-    outs = []
-    for start in range(0, length, chunk):
-        scores = paddle.matmul(q[:, :, start:start + chunk], k, transpose_y=True) * scale
-        outs.append(paddle.matmul(nn.functional.softmax(scores, axis=-1), v))
-    return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=2)
+def frame_starts(grid: Grid) -> np.ndarray:
+    """[frames + 1] row offsets of every frame of every item: attention stays within a frame."""
+    sizes = [h * w for t, h, w in grid for _ in range(t)]
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
 class VisionAttention(nn.Layer):
@@ -169,20 +162,12 @@ class VisionAttention(nn.Layer):
         self.qkv = Linear(config.width, 3 * config.width, bias=True)  # [q | k | v], heads inside each
         self.proj = Linear(config.width, config.width, bias=True)
 
-    def forward(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, grid: Grid) -> paddle.Tensor:
+    def forward(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, frames: np.ndarray) -> paddle.Tensor:
         n = x.shape[0]
         qkv = self.qkv(x).reshape([n, 3, self.num_heads, self.head_dim]).transpose([1, 0, 2, 3])
-        q, k, v = qkv[0].contiguous(), qkv[1].contiguous(), qkv[2]
+        q, k, v = qkv[0].contiguous(), qkv[1].contiguous(), qkv[2].contiguous()
         ops.apply_rotary_(q, k, cos, sin, interleaved=False)  # half-split pairs (i, i + head_dim / 2)
-        outs, start = [], 0
-        for t, h, w in grid:  # each item's frames attend within themselves, as one batch
-            end = start + t * h * w
-            q_, k_, v_ = (a[start:end].reshape([t, h * w, self.num_heads, self.head_dim]).transpose([0, 2, 1, 3])
-                          for a in (q, k, v))
-            out = _attend(q_, k_, v_, self.head_dim ** -0.5)
-            outs.append(out.transpose([0, 2, 1, 3]).reshape([end - start, self.num_heads * self.head_dim]))
-            start = end
-        return self.proj(outs[0] if len(outs) == 1 else paddle.concat(outs))
+        return self.proj(ops.bidirectional_attention(q, k, v, frames, self.head_dim ** -0.5))
 
 
 class VisionBlock(nn.Layer):
@@ -195,8 +180,8 @@ class VisionBlock(nn.Layer):
         self.mlp.fc1 = Linear(config.width, config.intermediate_size, bias=True)
         self.mlp.fc2 = Linear(config.intermediate_size, config.width, bias=True)
 
-    def forward(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, grid: Grid) -> paddle.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, grid)
+    def forward(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, frames: np.ndarray) -> paddle.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, frames)
         hidden = self.mlp.fc1(self.norm2(x))
         return x + self.mlp.fc2(hidden * nn.functional.sigmoid(1.702 * hidden))  # quick GELU
 
@@ -224,9 +209,10 @@ class DFNRopeVisionTransformer(nn.Layer):
     def forward(self, pixel_values: paddle.Tensor, grid_thw: Grid) -> paddle.Tensor:
         grid = check_grid(pixel_values, grid_thw, self.config)
         cos, sin = self.rotary(grid)
+        frames = frame_starts(grid)
         x = self.patch_embed.proj(pixel_values)
         for block in self.blocks:
-            x = block(x, cos, sin, grid)
+            x = block(x, cos, sin, frames)
         return self.ln(x)
 
 
