@@ -9,6 +9,7 @@ from typing import Any
 from fastdeploy.distributed.parallel_state import check_tp_size
 from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.reasoning.parsers import known_parsers
+from fastdeploy.tool_parsers.parsers import known_tool_parsers
 
 QUANTIZATIONS = ("wint8", "wint4")
 MAX_NUM_SEQS_LIMIT = 256
@@ -71,6 +72,12 @@ class EngineConfig:
         None, 'JSON like {"image_max_pixels": 401408, "video_max_frames": 30}')
     reasoning_parser: str | None = param(
         None, "split thinking output into reasoning_content: ernie-x1, ernie-45-vl, qwen3")
+    tool_call_parser: str | None = param(
+        None, "turn <tool_call> output of chats given tools into tool_calls: ernie-x1, hermes")
+    guided_decoding_backend: str = param(
+        "auto", "grammar engine for guided_decoding / response_format: auto or llguidance (guidance); off refuses them")
+    guided_decoding_disable_any_whitespace: bool = param(
+        False, "guided JSON output without optional whitespace between its tokens")
     quantization: str | None = param(None, "weight-only quantization while loading: wint8 or wint4")
     seed: int = param(0, "engine-wide seed for unseeded requests")
     chat_template: str | None = param(None, "Jinja chat template (string or file path) overriding the tokenizer's")
@@ -121,6 +128,10 @@ class EngineConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in known_parsers():
             raise ValueError(f"reasoning_parser must be one of {list(known_parsers())} or None, "
                              f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in known_tool_parsers():
+            raise ValueError(f"tool_call_parser must be one of {known_tool_parsers()} or None, "
+                             f"got {self.tool_call_parser!r}")
+        self._check_guided_decoding()
         self._refuse_not_yet_supported()
 
     def _check_batched_tokens(self) -> None:
@@ -131,6 +142,17 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len}) unless enable_chunked_prefill=True")
+
+    def _check_guided_decoding(self) -> None:
+        allowed = ("auto", "llguidance", "guidance", "off")
+        if self.guided_decoding_backend in ("xgrammar", "XGrammar"):
+            raise ValueError(f"guided_decoding_backend must be one of {list(allowed)}, got "
+                             f"{self.guided_decoding_backend!r}: xgrammar needs torch, which this CPU build does "
+                             "not use; 'auto' runs llguidance, which accepts the same specs")
+        if self.guided_decoding_backend not in allowed:
+            raise ValueError(f"guided_decoding_backend must be one of {list(allowed)}, got "
+                             f"{self.guided_decoding_backend!r}")
+        _check_bool("guided_decoding_disable_any_whitespace", self.guided_decoding_disable_any_whitespace)
 
     def _check_multimodal(self) -> None:
         if self.limit_mm_per_prompt is None:

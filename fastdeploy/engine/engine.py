@@ -12,15 +12,18 @@ from collections import deque
 
 import numpy as np
 
+from fastdeploy.engine import guided_requests
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.request import Request, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import ScheduledStep, Scheduler
 from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
+from fastdeploy.guided.matcher import GuidedDecoding
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.output.output_processor import OutputProcessor
 from fastdeploy.reasoning.parsers import get_reasoning_parser
+from fastdeploy.tool_parsers.parsers import ToolParser, get_tool_parser
 from fastdeploy.worker.model_runner import ModelRunner
 from fastdeploy.worker.step_types import ModelRunnerOutput
 
@@ -32,7 +35,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer, chat_template=config.chat_template)
         parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
-        self.output_processor = OutputProcessor(self.tokenizer, parser)
+        tools = get_tool_parser(config.tool_call_parser) if config.tool_call_parser else None
+        self.output_processor = OutputProcessor(self.tokenizer, parser, tools)
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -41,6 +45,8 @@ class LLMEngine:
         eos = mc.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = mc.vocab_size
+        self.guided = GuidedDecoding(self.tokenizer, mc.vocab_size, self.eos_token_ids, config.guided_decoding_backend,
+                                     config.guided_decoding_disable_any_whitespace)
         self._ids = itertools.count()
         # Filled from any thread, drained by the stepping thread (deque appends and pops are atomic).
         self._incoming: deque[Request] = deque()
@@ -53,10 +59,11 @@ class LLMEngine:
     def make_request(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, index: int,
                      arrival_time: float | None = None, sample: int = 0, enable_thinking: bool = True,
                      leader: Request | None = None, mm: MultimodalInputs | None = None,
-                     error: str | None = None) -> Request:
+                     error: str | None = None, tool_calls: bool | ToolParser = False) -> Request:
         """A Request; problems with this one request are recorded on it (error_code 400), as is `error`
         (what went wrong preparing its prompt, e.g. unreadable media). `sample` numbers the n samples of
-        one prompt; each draws from its own generator."""
+        one prompt; each draws from its own generator. tool_calls: parse tool calls from the output (a chat
+        given tools) with the engine's tool_call_parser, or with the parser given."""
         number = next(self._ids)
         params = params.with_model_defaults(self.config.model_config.generation_defaults)
         seed = [params.seed, sample] if params.seed is not None else [self.config.seed, number]
@@ -67,8 +74,9 @@ class LLMEngine:
             mm=mm)
         if params.reasoning_max_tokens is not None and self.output_processor.reasoning_parser is None:
             raise ValueError("reasoning_max_tokens needs a thinking model run with reasoning_parser set on the LLM")
-        self.output_processor.start(request, prompt, index, enable_thinking)
-        error = error or self._validate(request)
+        self.output_processor.start(request, prompt, index, enable_thinking, tool_calls)
+        error = error or self._validate(request) or guided_requests.attach_grammar(self.guided, self.output_processor,
+                                                                                   request)
         if error:
             request.error_code, request.error_msg = 400, error
             request.finish("abort")
@@ -83,14 +91,14 @@ class LLMEngine:
 
     def make_requests(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, first_index: int,
                       start: float, enable_thinking: bool = True, mm: MultimodalInputs | None = None,
-                      error: str | None = None) -> list[Request]:
+                      error: str | None = None, tool_calls: bool | ToolParser = False) -> list[Request]:
         """The params.n samples of one prompt (indices first_index...); later ones reuse the first one's
         cached prompt. `start`: when preprocessing began (time.time())."""
         requests: list[Request] = []
         for sample in range(params.n):
             request = self.make_request(prompt, prompt_token_ids, params, first_index + sample, sample=sample,
                                         enable_thinking=enable_thinking, leader=requests[0] if requests else None,
-                                        mm=mm, error=error)
+                                        mm=mm, error=error, tool_calls=tool_calls)
             request.metrics.preprocess_cost_time = request.metrics.arrival_time - start
             requests.append(request)
         return requests
@@ -151,9 +159,16 @@ class LLMEngine:
                 if aborted or not self.scheduler.has_unfinished():
                     return aborted
                 raise RuntimeError("scheduler made no progress: no request fits the KV cache")
-            output = self.runner.execute(step.model_input)
+            masks = guided_requests.start_masks(self.guided, step)  # computed while the forward runs
+            try:
+                output = self.runner.execute(step.model_input, masks.wait if masks else None)
+            finally:
+                if masks is not None:
+                    masks.wait()  # the matchers are not touched again before their masks are done
             stepped = self.scheduler.update_from_output(step, output)
+            guided_requests.advance(self.scheduler, step.samplers)
             self._process_text(step, output)
+            guided_requests.activate_after_reasoning(self.output_processor, step.samplers)
             return aborted + stepped
 
     def _take_inbox(self) -> list[Request]:

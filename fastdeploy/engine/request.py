@@ -4,10 +4,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.guided.matcher import GrammarState
 from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
 
 
@@ -47,6 +49,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # OpenAI-shaped calls parsed from the text (chat with tools and an LLM tool_call_parser); in stream
+    # deltas the new calls as delta items: {"index", "id", "type", "function": {"name", "arguments"}}.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -90,6 +95,7 @@ class Request:
     forced_tokens: list[int] = field(default_factory=list)  # emitted next instead of sampling
     prefix_leader: Request | None = None  # a sibling (n > 1) whose prompt blocks this one reuses
     mm: MultimodalInputs | None = None  # ERNIE-4.5-VL: the prompt's media, positions and token types
+    grammar: GrammarState | None = None  # guided decoding: the matcher of its constraint
 
     def __post_init__(self) -> None:
         if not self.token_ids:

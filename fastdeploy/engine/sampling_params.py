@@ -5,6 +5,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from fastdeploy.guided.params import GuidedDecodingParams
+
+__all__ = ["GuidedDecodingParams", "SamplingParams"]
+
 MAX_SEED = 922337203685477580  # FastDeploy's upper bound
 
 # Fields whose unset value (None) is filled from the model's generation_config.json, else these.
@@ -62,6 +66,7 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only, text stays "" (vLLM's option)
     ignore_eos: bool = False
     logits_processors_args: dict[str, Any] | None = None  # {"logit_bias": {token_id: bias}}
+    guided_decoding: GuidedDecodingParams | None = None  # constrain the output (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         self._verify()
@@ -136,6 +141,9 @@ class SamplingParams:
             raise ValueError("stop strings need detokenize=True")
         if self.logits_processors_args is not None:
             self._verify_logits_processors_args()
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise TypeError("guided_decoding must be a GuidedDecodingParams (json=, regex=, choice=, grammar=, "
+                            f"json_object= or structural_tag=), got {type(self.guided_decoding).__name__}")
 
     def _verify_logits_processors_args(self) -> None:
         args = self.logits_processors_args

@@ -16,6 +16,7 @@ from fastdeploy.entrypoints.multimodal import prompts_for
 from fastdeploy.entrypoints.prompts import Prepared, normalize_conversations, normalize_prompts
 from fastdeploy.input.media import MediaError
 from fastdeploy.input.tokenizer import Tokenizer
+from fastdeploy.tool_parsers.calls import check_tools
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +59,14 @@ class LLM:
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-             chat_template: str | None = None, stream: bool = False
+             chat_template: str | None = None, tools: Any = None, stream: bool = False
              ) -> list[RequestOutput] | Iterator[list[RequestOutput | None]]:
-        """Render each conversation with the chat template, then complete it as generate() does."""
+        """Render each conversation with the chat template, then complete it as generate() does. `tools`
+        (OpenAI tool dicts, or one) are rendered by the template; with LLM(tool_call_parser=...) the calls
+        the model writes come back in outputs.tool_calls (see docs/tool_calling.md)."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        tools = check_tools(tools)
         conversations = normalize_conversations(messages)
         params = self._params_per_prompt(sampling_params, len(conversations))
         thinking = bool((chat_template_kwargs or {}).get("enable_thinking", True))
@@ -70,9 +74,9 @@ class LLM:
         for conversation, p in zip(conversations, params):
             start = time.time()
             (text, ids, mm), error = _unless_media_fail(self._prompts.from_chat, conversation, chat_template_kwargs,
-                                                        chat_template)
+                                                        chat_template, tools)
             requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, thinking, mm=mm,
-                                                      error=error))
+                                                      error=error, tool_calls=tools is not None))
         return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
 
     # ---- helpers --------------------------------------------------------------------------

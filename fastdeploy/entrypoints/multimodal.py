@@ -48,8 +48,9 @@ class MultimodalPrompts:
         return self._prepare(text, *multimodal_data_media(item["multimodal_data"]))
 
     def from_chat(self, conversation: Sequence[Mapping[str, Any]], chat_template_kwargs: Mapping[str, Any] | None,
-                  chat_template: str | None) -> Prepared:
-        text = render_chat_text(self.tokenizer, conversation, chat_template_kwargs, chat_template, allow_media=True)
+                  chat_template: str | None, tools: Sequence[Mapping[str, Any]] | None = None) -> Prepared:
+        text = render_chat_text(self.tokenizer, conversation, chat_template_kwargs, chat_template, allow_media=True,
+                                tools=tools)
         return self._prepare(text, *media_of_messages(conversation))
 
 

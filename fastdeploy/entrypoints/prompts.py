@@ -45,10 +45,11 @@ def normalize_conversations(messages: Any) -> list[list[dict[str, Any]]]:
 
 
 def check_message(message: dict[str, Any], allow_media: bool = False) -> dict[str, Any]:
-    """Text content parts are the template layer's business; media parts need a multimodal model."""
-    if "role" not in message or "content" not in message:
+    """Text content parts are the template layer's business; media parts need a multimodal model. An
+    assistant message with tool_calls may leave out content (OpenAI's shape)."""
+    if "role" not in message or ("content" not in message and not message.get("tool_calls")):
         raise ValueError(f"each message needs 'role' and 'content', got keys {sorted(message)}")
-    content = message["content"]
+    content = message.get("content")
     if isinstance(content, list):
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
@@ -84,18 +85,24 @@ def tokenize_prompt(tokenizer: Tokenizer, item: PromptType) -> tuple[str | None,
 
 def render_chat_text(tokenizer: Tokenizer, conversation: Sequence[Mapping[str, Any]],
                      chat_template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None,
-                     allow_media: bool = False) -> str:
-    """One conversation rendered with the chat template (media parts as their placeholders)."""
+                     allow_media: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """One conversation rendered with the chat template (media parts as their placeholders); `tools`
+    (OpenAI tool dicts) reach the template as its `tools` variable."""
     messages = [check_message(m, allow_media) for m in conversation]
     kwargs = dict(add_generation_prompt=True, chat_template=chat_template, **(chat_template_kwargs or {}))
+    if tools is not None:
+        if "tools" in kwargs:
+            raise ValueError("pass tools either as tools= or in chat_template_kwargs, not both")
+        kwargs["tools"] = list(tools)
     return tokenizer.apply_chat_template(messages, **kwargs)
 
 
 def render_chat(tokenizer: Tokenizer, conversation: Sequence[Mapping[str, Any]],
                 chat_template_kwargs: Mapping[str, Any] | None = None,
-                chat_template: str | None = None) -> tuple[str, list[int]]:
+                chat_template: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None
+                ) -> tuple[str, list[int]]:
     """(prompt text, token ids) of one conversation rendered with the chat template."""
-    text = render_chat_text(tokenizer, conversation, chat_template_kwargs, chat_template)
+    text = render_chat_text(tokenizer, conversation, chat_template_kwargs, chat_template, tools=tools)
     return text, tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
 
 
@@ -109,5 +116,5 @@ class TextPrompts:
         return *tokenize_prompt(self.tokenizer, item), None
 
     def from_chat(self, conversation: Sequence[Mapping[str, Any]], chat_template_kwargs: Mapping[str, Any] | None,
-                  chat_template: str | None) -> Prepared:
-        return *render_chat(self.tokenizer, conversation, chat_template_kwargs, chat_template), None
+                  chat_template: str | None, tools: Sequence[Mapping[str, Any]] | None = None) -> Prepared:
+        return *render_chat(self.tokenizer, conversation, chat_template_kwargs, chat_template, tools), None

@@ -329,6 +329,11 @@ class Tokenizer:
         to_token = self._backend.id_to_token
         return [tok if (tok := to_token(int(i))) is not None else "" for i in ids]
 
+    def backend_json(self) -> str | None:
+        """The `tokenizers` backend serialised as tokenizer.json text (with the added tokens); None for a
+        sentencepiece tokenizer. Grammar engines build their token tables from it."""
+        return None if self._is_sentencepiece else self._backend.to_str()
+
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         if self._is_sentencepiece:
             return self._backend.tokens_to_string(tokens, self._special_token_set)

@@ -14,6 +14,8 @@ from fastdeploy.engine.request import CompletionOutput, Logprob, Request, Reques
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.output.detokenizer import IncrementalDetokenizer
 from fastdeploy.reasoning.parsers import THINK_END, ReasoningParser
+from fastdeploy.tool_parsers.calls import call_deltas, call_dict, new_call_id
+from fastdeploy.tool_parsers.parsers import ParsedCall, ToolParser
 from fastdeploy.worker.step_types import TopLogprobs
 
 FORCED_THINK_END = "\n" + THINK_END + "\n\n"  # what ends a thinking part cut by reasoning_max_tokens
@@ -27,6 +29,8 @@ class TextState:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     reasoning: bool  # the reasoning parser applies to this output
+    tool_parser: ToolParser | None  # parses this output's tool calls (None: no tool-call parsing)
+    call_ids: list[str] = field(default_factory=list)  # ids of the tool calls found so far
     text: str = ""  # output text so far, cut at a matched stop string
     num_reasoning_tokens: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
@@ -34,6 +38,7 @@ class TextState:
     sent_tokens: int = 0
     sent_text: int = 0
     sent_reasoning: int = 0
+    sent_calls: int = 0
 
 
 @dataclass(slots=True)
@@ -45,18 +50,24 @@ class TokenEvents:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, reasoning_parser: ReasoningParser | None):
+    def __init__(self, tokenizer: Tokenizer, reasoning_parser: ReasoningParser | None,
+                 tool_parser: ToolParser | None = None):
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
         self.states: dict[str, TextState] = {}
 
-    def start(self, request: Request, prompt: str | None, index: int, enable_thinking: bool) -> None:
+    def start(self, request: Request, prompt: str | None, index: int, enable_thinking: bool,
+              tool_calls: bool | ToolParser = False) -> None:
+        """tool_calls: parse tool calls out of this output (a chat given tools) with the tool parser, if there
+        is one, or with the parser given (calls forced by tool_choice)."""
         parser = self.reasoning_parser
         self.states[request.request_id] = TextState(
             index=index, prompt=prompt,
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                request.params.skip_special_tokens),
             reasoning=parser is not None and parser.starts_in_reasoning(prompt, enable_thinking),
+            tool_parser=tool_calls if isinstance(tool_calls, ToolParser) else self.tool_parser if tool_calls else None,
             prompt_logprobs=[None] if request.wants_prompt_logprobs else None)
 
     def release(self, request_id: str) -> None:
@@ -116,17 +127,26 @@ class OutputProcessor:
             return state.text
         return state.text[:max(len(state.text) - (max(len(s) for s in stops) - 1), 0)]
 
-    def _split(self, request: Request, state: TextState) -> tuple[str | None, str]:
+    def _split(self, request: Request, state: TextState) -> tuple[str | None, str, list[ParsedCall]]:
+        """(reasoning, text, tool calls): the calls are parsed from the content, never from the reasoning."""
         text = self._visible_text(request, state)
+        final, parse_calls = request.is_finished, state.tool_parser is not None
         if not state.reasoning:
-            return (None if self.reasoning_parser is None else ""), text
-        return self.reasoning_parser.split(text, final=request.is_finished)
+            reasoning = None if self.reasoning_parser is None else ""
+        else:
+            reasoning, text = self.reasoning_parser.split(text, final=final, keep_tool_calls=parse_calls)
+        if not parse_calls:
+            return reasoning, text, []
+        split = state.tool_parser.split(text, final)
+        state.call_ids += [new_call_id() for _ in range(len(split.calls) - len(state.call_ids))]
+        return reasoning, split.text, split.calls
 
     def make_output(self, request: Request, delta: bool = False) -> RequestOutput:
         """The request's output so far; with delta=True only what was not sent before. The finished
         output is the last: the request's text state is released with it."""
         state = self.states[request.request_id]
-        reasoning, text = self._split(request, state)
+        reasoning, text, calls = self._split(request, state)
+        tool_calls = [call_dict(c, i) for c, i in zip(calls, state.call_ids)] if calls else None
         token_ids = request.output_token_ids
         logprobs, prompt_logprobs = state.logprobs, state.prompt_logprobs
         if delta:
@@ -137,14 +157,16 @@ class OutputProcessor:
             if reasoning is not None:
                 new_reasoning = reasoning[state.sent_reasoning:]
                 state.sent_reasoning = len(reasoning)
-            state.sent_tokens, state.sent_text = request.num_output_tokens, len(text)
+            tool_calls = [d for n in range(state.sent_calls, len(calls))
+                          for d in call_deltas(calls[n], state.call_ids[n], n)] or None
+            state.sent_tokens, state.sent_text, state.sent_calls = request.num_output_tokens, len(text), len(calls)
             text, reasoning = new_text, new_reasoning
         if request.is_finished:
             self.release(request.request_id)
         completion = CompletionOutput(
             index=state.index, send_idx=max(request.num_output_tokens - 1, 0), token_ids=token_ids, text=text,
             reasoning_content=reasoning, logprobs=logprobs, finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason)
+            stop_reason=request.stop_reason, tool_calls=tool_calls)
         return RequestOutput(
             request_id=request.request_id, prompt=state.prompt, prompt_token_ids=request.prompt_token_ids,
             outputs=completion, finished=request.is_finished, metrics=request.metrics,

@@ -31,22 +31,24 @@ class ReasoningParser(ABC):
         return enable_thinking
 
     @abstractmethod
-    def split(self, text: str, final: bool) -> tuple[str, str]:
-        """(reasoning, content) of the output text so far."""
+    def split(self, text: str, final: bool, keep_tool_calls: bool = False) -> tuple[str, str]:
+        """(reasoning, content) of the output text so far; keep_tool_calls: tool-call blocks stay in the
+        content (for a tool-call parser) instead of being dropped."""
 
 
 class ErnieX1ReasoningParser(ReasoningParser):
     """ERNIE-X1 style: `thinking\\n</think>\\n\\n<response>\\nanswer\\n</response>` (or a tool call).
 
     Reasoning is the text before </think> (without one final newline). After it, a <response>
-    block's inside is the answer; a <tool_call> block gives no text content; anything else after
-    </think> is the answer as it stands. With no </think>, everything is reasoning.
+    block's inside is the answer; a <tool_call> block gives no text content (unless keep_tool_calls: then
+    the calls are the content); anything else after </think> is the answer as it stands. With no
+    </think>, everything is reasoning.
     """
 
     name = "ernie-x1"
     RESPONSE_START, RESPONSE_END, TOOL_CALL = "<response>", "</response>", "<tool_call>"
 
-    def split(self, text: str, final: bool) -> tuple[str, str]:
+    def split(self, text: str, final: bool, keep_tool_calls: bool = False) -> tuple[str, str]:
         end = text.find(THINK_END)
         if end == -1:
             reasoning = text if final else hold_back(text, THINK_END, newline=True)
@@ -57,7 +59,7 @@ class ErnieX1ReasoningParser(ReasoningParser):
         if not final and any(tag.startswith(rest) for tag in (self.RESPONSE_START, self.TOOL_CALL)):
             return reasoning, ""  # not yet clear what follows
         if rest.startswith(self.TOOL_CALL):
-            return reasoning, ""
+            return reasoning, rest if keep_tool_calls else ""
         if not rest.startswith(self.RESPONSE_START):
             return reasoning, rest
         body = rest[len(self.RESPONSE_START):]
@@ -82,7 +84,7 @@ class ErnieVLReasoningParser(ReasoningParser):
             return enable_thinking
         return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
 
-    def split(self, text: str, final: bool) -> tuple[str, str]:
+    def split(self, text: str, final: bool, keep_tool_calls: bool = False) -> tuple[str, str]:
         end = text.find(THINK_END)
         if end == -1:
             return (text if final else hold_back(text, THINK_END)), ""
@@ -98,7 +100,7 @@ class Qwen3ReasoningParser(ErnieVLReasoningParser):
     def starts_in_reasoning(self, prompt_text: str | None, enable_thinking: bool) -> bool:
         return enable_thinking
 
-    def split(self, text: str, final: bool) -> tuple[str, str]:
+    def split(self, text: str, final: bool, keep_tool_calls: bool = False) -> tuple[str, str]:
         if text.startswith(THINK_START):
             text = text[len(THINK_START):]
         elif not final and THINK_START.startswith(text):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import paddle
@@ -23,6 +23,7 @@ from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
 from fastdeploy.ops.sampling import Sampler
+from fastdeploy.ops.token_bitmask import apply_token_bitmask_
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
 from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, TopLogprobs, VisionSlice
@@ -189,11 +190,17 @@ class ModelRunner:
         return num_blocks
 
     @paddle.no_grad()
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, step: SchedulerOutput, wait_for_masks: Callable[[], object] | None = None) -> ModelRunnerOutput:
+        """Forward and sample the step. `wait_for_masks`: returns once step.token_bitmask is filled (the engine
+        computes the grammar masks while the forward runs)."""
         start = time.perf_counter()
         logits = self._forward(step.forward)
         num_samples = step.num_samples
         tokens = np.zeros(0, dtype=np.int64)
+        if len(step.guided_rows):
+            if wait_for_masks is not None:
+                wait_for_masks()
+            apply_token_bitmask_(logits, step.guided_rows, step.token_bitmask)
         if num_samples:
             tokens = self.sampler(with_logit_bias(logits[:num_samples], step), step.sampling)
             tokens = np.where(step.forced_token_ids >= 0, step.forced_token_ids, tokens)

@@ -54,6 +54,11 @@ class SchedulerOutput:
     logprob_k: np.ndarray  # int64, per logprob row: how many top entries (-1: the whole vocabulary)
     prompt_logprob_k: np.ndarray  # [P] int64
     prompt_logprob_targets: np.ndarray  # [P] int64: the prompt token that follows each prompt row
+    # Grammar-constrained rows (guided decoding): indices into the S rows and, per such row, the allowed
+    # tokens as bits (token t: bit t % 32 of int32 word t // 32). The engine may still be filling the
+    # bitmask while the forward runs; ModelRunner.execute waits for it before sampling.
+    guided_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    token_bitmask: np.ndarray | None = None  # int32 [len(guided_rows), words]
 
     @property
     def num_samples(self) -> int:

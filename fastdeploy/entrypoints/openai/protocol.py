@@ -11,6 +11,7 @@ from typing import Any, Union
 from pydantic import BaseModel, ConfigDict
 
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.entrypoints.openai.guided_fields import guided_decoding_from
 
 
 class StreamOptions(BaseModel):
@@ -50,12 +51,22 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Output constraints (guided_fields.py): OpenAI's response_format or one of FastDeploy's extras.
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
     def sampling_params(self, logprobs: int | None, max_tokens: int | None, **extra: Any) -> SamplingParams:
         """The SamplingParams of this request (ValueError/TypeError naming the field when a value is out
         of range)."""
         shared = {name: getattr(self, name) for name in _SHARED}
         bias = {"logit_bias": self.logit_bias} if self.logit_bias else None
+        if "guided_decoding" not in extra:
+            extra["guided_decoding"] = guided_decoding_from(self)
         return SamplingParams(**shared, max_tokens=max_tokens, logprobs=logprobs, logits_processors_args=bias,
                               **extra)
 
@@ -72,6 +83,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_max_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool dicts, rendered by the chat template
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -19,6 +19,7 @@ from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.multimodal import MultimodalPrompts
 from fastdeploy.entrypoints.prompts import Prepared, TextPrompts
 from fastdeploy.entrypoints.openai.engine_loop import EngineFailed, EngineLoop
+from fastdeploy.tool_parsers.parsers import ToolParser
 
 _DISCONNECT_POLL_S = 1.0  # a non-streaming call checks this often whether its client is still there
 
@@ -65,13 +66,16 @@ def sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
 
 
 def make_requests(ctx: ServingContext, prompts: Sequence[Prepared], params: SamplingParams,
-                  start: float, enable_thinking: bool = True) -> list[Request]:
+                  start: float, enable_thinking: bool = True, tool_calls: bool | ToolParser = False
+                  ) -> list[Request]:
     """The engine requests of one API call (n per prompt, indexed prompt by prompt); a prompt the engine
-    rejects (too long, ids out of range, ...) fails the whole call with its message."""
+    rejects (too long, ids out of range, ...) fails the whole call with its message. tool_calls: parse
+    tool calls from the outputs."""
     requests: list[Request] = []
     try:
         for text, ids, mm in prompts:
-            requests += ctx.engine.make_requests(text, ids, params, len(requests), start, enable_thinking, mm)
+            requests += ctx.engine.make_requests(text, ids, params, len(requests), start, enable_thinking, mm,
+                                                 tool_calls=tool_calls)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
     rejected = next((r for r in requests if r.error_code != 200), None)
@@ -145,10 +149,12 @@ class Choice:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    tool_call_deltas: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, output: RequestOutput) -> None:
         out = output.outputs
         self.text += out.text or ""
+        self.tool_call_deltas += out.tool_calls or []
         if out.reasoning_content is not None:
             self.reasoning = (self.reasoning or "") + out.reasoning_content
         self.token_ids += out.token_ids

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: whole responses and SSE streams."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,8 +14,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from fastdeploy.engine.request import Logprob, Request, RequestOutput
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params, sse,
-    top_entries, usage)
+    SSE_DONE, APIError, Choice, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
+    sse, top_entries, usage)
+from fastdeploy.engine.sampling_params import GuidedDecodingParams, SamplingParams
+from fastdeploy.tool_parsers import check_tool_choice, check_tools, join_call_deltas, known_tool_parsers
+from fastdeploy.tool_parsers.forced import forced_call_parser, forced_call_schema
+from fastdeploy.tool_parsers.parsers import ToolParser
 
 
 def _token_logprob(token: int, entry: dict[int, Logprob], k: int) -> dict[str, Any]:
@@ -34,32 +39,73 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if not body.messages:
         raise APIError(400, "messages must be a non-empty list of {'role', 'content'} objects", "messages")
     params = sampling_params(body.to_sampling_params)
+    tools, parse_calls, params = _tools(ctx, body, params)
+    # A call forced to a named function finishes with "stop" (as OpenAI); other calls with "tool_calls".
+    calls_finish = not isinstance(body.tool_choice, dict)
     start = time.time()
     try:
         # Off the event loop: media are fetched and decoded here.
         prompt = await run_in_threadpool(ctx.prompts.from_chat, body.messages, body.chat_template_kwargs,
-                                         body.chat_template)
+                                         body.chat_template, tools)
     except (ValueError, TypeError, NotImplementedError, jinja2.TemplateError) as e:
         raise APIError(400, f"messages: {e}", "messages") from None
     thinking = bool((body.chat_template_kwargs or {}).get("enable_thinking", True))
-    requests = make_requests(ctx, [prompt], params, start, thinking)
+    requests = make_requests(ctx, [prompt], params, start, thinking, tool_calls=parse_calls)
     call_id, created = new_id("chatcmpl"), now()
     k = body.top_logprobs or 0
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, requests, call_id, created, k), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, body, requests, call_id, created, k, calls_finish),
+                                 media_type="text/event-stream")
     choices = await gather(ctx, requests, http)
     response = {
         "id": call_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
         "choices": [{
             "index": i,
-            "message": {"role": "assistant", "content": c.text, "reasoning_content": c.reasoning,
+            "message": {"role": "assistant", **_answer(c), "reasoning_content": c.reasoning,
                         **_token_ids(body, requests[i], c.token_ids)},
             "logprobs": chat_logprobs(c.token_ids, c.logprobs, k) if body.logprobs else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "finish_reason": "tool_calls" if c.tool_call_deltas and calls_finish else c.finish_reason,
+            "stop_reason": c.stop_reason,
         } for i, c in enumerate(choices)],
         "usage": usage(requests, body.n),
     }
     return JSONResponse(response)
+
+
+def _tools(ctx: ServingContext, body: ChatCompletionRequest, params: SamplingParams
+           ) -> tuple[list[dict[str, Any]] | None, bool | ToolParser, SamplingParams]:
+    """(the tools for the template, whether to parse tool calls from the output or the parser of forced
+    calls, the params: for forced calls constrained to the calls' JSON schema)."""
+    try:
+        tools = check_tools(body.tools)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), "tools") from None
+    try:
+        choice = check_tool_choice(body.tool_choice, tools)
+    except ValueError as e:
+        raise APIError(400, str(e), "tool_choice") from None
+    if choice == "none":
+        return tools, False, params  # the model sees the tools but its answer is taken as text (as vLLM)
+    if choice != "auto":  # "required" or a named function: the output is constrained to the call(s)
+        if params.guided_decoding is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with "
+                                "response_format or guided_* constraints", "tool_choice")
+        try:
+            guided = GuidedDecodingParams(json=forced_call_schema(choice, tools))
+        except ValueError as e:
+            raise APIError(400, f"the tools' parameters are not a usable JSON schema: {e}", "tools") from None
+        return tools, forced_call_parser(choice), dataclasses.replace(params, guided_decoding=guided)
+    if ctx.engine.output_processor.tool_parser is None:
+        raise APIError(400, "tool_choice='auto' needs the server started with --tool-call-parser (one of "
+                            f"{known_tool_parsers()})", "tool_choice")
+    return tools, True, params
+
+
+def _answer(choice: Choice) -> dict[str, Any]:
+    """The message's content and tool calls (content null when the answer is only calls, as OpenAI)."""
+    if not choice.tool_call_deltas:
+        return {"content": choice.text}
+    return {"content": choice.text or None, "tool_calls": join_call_deltas(choice.tool_call_deltas)}
 
 
 def _token_ids(body: ChatCompletionRequest, request: Request, completion: list[int]) -> dict[str, Any]:
@@ -69,7 +115,7 @@ def _token_ids(body: ChatCompletionRequest, request: Request, completion: list[i
 
 
 async def _stream(ctx: ServingContext, body: ChatCompletionRequest, requests: list[Request], call_id: str,
-                  created: int, k: int) -> AsyncIterator[str]:
+                  created: int, k: int, calls_finish: bool) -> AsyncIterator[str]:
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return sse({"id": call_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
                     "choices": choices, **extra})
@@ -80,10 +126,11 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, requests: li
             if body.return_token_ids:
                 delta["prompt_token_ids"] = request.prompt_token_ids
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+        called: set[int] = set()  # choices that made tool calls
         async for output in request_outputs(ctx, requests):
-            choice = _delta_choice(body, output, k)
-            if choice is not None:
-                yield chunk([choice])
+            choice = _delta_choice(body, output, k, called, calls_finish)
+            for part in _one_call_item_each(choice):
+                yield chunk([part])
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], usage=usage(requests, body.n))
     except APIError as e:  # the engine failed mid-stream: say so in the stream, then end it
@@ -91,18 +138,42 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, requests: li
     yield SSE_DONE
 
 
-def _delta_choice(body: ChatCompletionRequest, output: RequestOutput, k: int) -> dict[str, Any] | None:
+def _delta_choice(body: ChatCompletionRequest, output: RequestOutput, k: int, called: set[int],
+                  calls_finish: bool) -> dict[str, Any] | None:
     out = output.outputs
     delta: dict[str, Any] = {}
     if out.reasoning_content:
         delta["reasoning_content"] = out.reasoning_content
     if out.text:
         delta["content"] = out.text
+    if out.tool_calls:
+        delta["tool_calls"] = out.tool_calls
+        called.add(out.index)
     if body.return_token_ids and out.token_ids:
         delta["completion_token_ids"] = out.token_ids
     logprobs = chat_logprobs(out.token_ids, out.logprobs, k) if body.logprobs and out.token_ids else None
     if not delta and logprobs is None and not output.finished:
         return None  # the step's text is held back (a possible stop string or an unfinished character)
-    return {"index": out.index, "delta": delta, "logprobs": logprobs,
-            "finish_reason": out.finish_reason if output.finished else None,
+    finish = ("tool_calls" if out.index in called and calls_finish else out.finish_reason) if output.finished \
+        else None
+    return {"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
             **({"stop_reason": out.stop_reason} if output.finished else {})}
+
+
+def _one_call_item_each(choice: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A choice delta as chunks holding at most one tool-call delta item each (as OpenAI streams them: the
+    call's id and name, then its arguments); the text goes with the first, the finish reason with the last."""
+    if choice is None:
+        return []
+    items = choice["delta"].pop("tool_calls", None)
+    if not items:
+        return [choice]
+    first = {key: value for key, value in choice.items() if key != "stop_reason"}
+    first.update(delta={**choice["delta"], "tool_calls": [items[0]]}, finish_reason=None)
+    rest = [{"index": choice["index"], "delta": {"tool_calls": [item]}, "logprobs": None, "finish_reason": None}
+            for item in items[1:]]
+    parts = [first, *rest]
+    parts[-1] = {**parts[-1], "finish_reason": choice["finish_reason"]}
+    if "stop_reason" in choice:
+        parts[-1]["stop_reason"] = choice["stop_reason"]
+    return parts

@@ -1,0 +1,78 @@
+"""The engine's side of guided decoding, step by step: give a constrained request its matcher, start the
+step's mask computation before the forward, and after the step feed the new tokens to the matchers,
+finishing the requests whose grammar is complete.
+
+Reasoning models: while a request's output is in its thinking part the constraint waits; it applies
+from the first token after the end of thinking (vLLM's and FastDeploy's behaviour), once any forced
+end-of-thinking tokens have been emitted.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fastdeploy.engine.request import Request
+from fastdeploy.engine.scheduler import ScheduledStep, Scheduler
+from fastdeploy.guided.matcher import GrammarMasks, GuidedDecoding
+from fastdeploy.output.output_processor import OutputProcessor
+from fastdeploy.reasoning.parsers import THINK_END
+
+
+def attach_grammar(guided: GuidedDecoding, processor: OutputProcessor, request: Request) -> str | None:
+    """Give a request with params.guided_decoding its matcher; the error (for error_code 400) when the
+    spec cannot be used with this model."""
+    spec = request.params.guided_decoding
+    if spec is None:
+        return None
+    state = processor.states.get(request.request_id)
+    reasoning = state is not None and state.reasoning
+    if reasoning and not request.params.detokenize:
+        return "guided_decoding on a thinking output needs detokenize=True (the end of thinking is found in the text)"
+    try:
+        request.grammar = guided.new_state(spec, after_reasoning=reasoning)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def start_masks(guided: GuidedDecoding, step: ScheduledStep) -> GrammarMasks | None:
+    """Put the constrained sampling rows and their bitmask (being filled on the worker thread) on the
+    step's model input; the handle to wait on, or None when no row is constrained."""
+    rows = [j for j, r in enumerate(step.samplers)
+            if r.grammar is not None and r.grammar.active and not r.forced_tokens]
+    if not rows:
+        return None
+    banned = step.model_input.sampling.banned_token_ids
+    bitmask, masks = guided.start_masks([step.samplers[j].grammar for j in rows], [banned[j] for j in rows])
+    step.model_input.guided_rows = np.asarray(rows, dtype=np.int64)
+    step.model_input.token_bitmask = bitmask
+    return masks
+
+
+def advance(scheduler: Scheduler, samplers: Sequence[Request]) -> None:
+    """After the scheduler applied a step: feed each constrained request's new tokens to its matcher. A
+    completed grammar finishes the request ("stop"); a token the grammar rejects (only possible for a
+    token the grammar did not choose, e.g. forced) fails it."""
+    for request in samplers:
+        state = request.grammar
+        if state is None or not state.active or request.is_finished:
+            continue
+        if state.conflict is not None or not state.sync(request.output_token_ids):
+            request.error_code = 400
+            request.error_msg = state.conflict or \
+                f"the output left the guided_decoding grammar: {state.matcher.get_error()}"
+            scheduler.finish_request(request, "abort")
+        elif state.finished:
+            scheduler.finish_request(request, "stop")
+
+
+def activate_after_reasoning(processor: OutputProcessor, samplers: Sequence[Request]) -> None:
+    """Start the constraint of requests whose thinking part ended with this step's token."""
+    for request in samplers:
+        state = request.grammar
+        if state is None or state.active or request.is_finished or request.forced_tokens:
+            continue
+        text = processor.states.get(request.request_id)
+        if text is not None and THINK_END in text.text:
+            state.start = request.num_output_tokens

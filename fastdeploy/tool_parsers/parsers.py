@@ -1,0 +1,117 @@
+"""Tool-call parsers: split a model's answer (the content, after any reasoning split) into text and calls.
+
+A parser looks at the whole content so far and returns the text outside the calls and the calls found.
+Like the reasoning parsers, while the output is unfinished it returns only what can no longer change:
+an unclosed `<tool_call>` block (or a tail that may still grow into one) is held back, and a call is
+reported only once its block is closed and its JSON parsed. So streamed deltas join to exactly the final
+split, and malformed call text is never streamed as a call: it stays in the text.
+"""
+from __future__ import annotations
+
+import json
+from abc import ABC
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from fastdeploy.reasoning.parsers import hold_back
+
+
+@dataclass(slots=True, frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+@dataclass(slots=True)
+class ToolCallSplit:
+    text: str  # the content outside the calls
+    calls: list[ParsedCall]
+
+
+def parse_call(body: str) -> ParsedCall | None:
+    """`{"name": ..., "arguments": {...}}` -> a call; None if the body is not such an object. Arguments given
+    as a string holding a JSON object are taken as that object; missing arguments are {}."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    arguments: Any = obj.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class ToolParser(ABC):
+    """Calls are `<tool_call>{json}</tool_call>` blocks; a valid block and the whitespace right after it
+    leave the text, an invalid one stays in it as written."""
+
+    name: ClassVar[str]
+    START: ClassVar[str] = "<tool_call>"
+    END: ClassVar[str] = "</tool_call>"
+    # Whether a last block left open when the output ends still counts (a model stopped by a stop token).
+    accept_unclosed: ClassVar[bool] = False
+
+    def split(self, content: str, final: bool) -> ToolCallSplit:
+        text: list[str] = []
+        calls: list[ParsedCall] = []
+        pos = 0
+        while True:
+            start = content.find(self.START, pos)
+            if start == -1:
+                tail = content[pos:]
+                text.append(tail if final else hold_back(tail, self.START))
+                break
+            text.append(content[pos:start])
+            body_start = start + len(self.START)
+            end = content.find(self.END, body_start)
+            if end == -1:  # an unclosed block: wait for it, or at the end decide what it was
+                call = parse_call(content[body_start:]) if final and self.accept_unclosed else None
+                if call is not None:
+                    calls.append(call)
+                elif final:
+                    text.append(content[start:])
+                break
+            pos = end + len(self.END)
+            call = parse_call(content[body_start:end])
+            if call is None:
+                text.append(content[start:pos])
+                continue
+            calls.append(call)
+            while pos < len(content) and content[pos].isspace():
+                pos += 1
+        return ToolCallSplit("".join(text), calls)
+
+
+class ErnieX1ToolParser(ToolParser):
+    """ERNIE-X1 / ERNIE-4.5 thinking models: after `</think>`, one or more
+    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks; a block must be closed."""
+
+    name = "ernie-x1"
+
+
+class HermesToolParser(ToolParser):
+    """Hermes / Qwen2.5 / Qwen3: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks; the
+    last block may be left open when the output ends (e.g. `</tool_call>` used as a stop string)."""
+
+    name = "hermes"
+    accept_unclosed = True
+
+
+PARSERS: dict[str, type[ToolParser]] = {cls.name: cls for cls in (ErnieX1ToolParser, HermesToolParser)}
+
+
+def known_tool_parsers() -> list[str]:
+    return sorted(PARSERS)
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {known_tool_parsers()}, got {name!r}")
+    return PARSERS[name]()

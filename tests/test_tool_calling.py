@@ -1,0 +1,272 @@
+"""Tool calling: chat templates with tools against transformers' apply_chat_template
+(tests/fixtures/reference/tool_calling_reference.json, tools/make_tool_calling_reference.py), the tool-call
+parsers on recorded model outputs, and their stream deltas joined against the whole result."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.engine.request import Request, RequestMetrics
+from fastdeploy.entrypoints.prompts import TextPrompts
+from fastdeploy.input.tokenizer import Tokenizer
+from fastdeploy.output.output_processor import OutputProcessor
+from fastdeploy.reasoning.parsers import get_reasoning_parser
+from fastdeploy.tool_parsers import (
+    ParsedCall, ToolCallSplit, ToolParser, check_tool_choice, check_tools, get_tool_parser, join_call_deltas)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REF = json.loads((FIXTURES / "reference" / "tool_calling_reference.json").read_text(encoding="utf-8"))
+QWEN3 = FIXTURES / "models" / "qwen3_tiny"
+ERNIE = FIXTURES / "models" / "ernie45_tiny_hf"
+WEATHER = REF["cases"][0]["tools"][0]
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("fixture", sorted(REF["fixtures"]))
+def test_renders_with_tools_match_transformers(fixture):
+    prompts = TextPrompts(Tokenizer.from_pretrained(FIXTURES / "models" / fixture))
+    cases = {c["name"]: c for c in REF["cases"]}
+    entries = REF["fixtures"][fixture]
+    assert len(entries) == 36 and sum("error" not in e for e in entries) >= 30
+    for entry in entries:
+        case = cases[entry["case"]]
+        template = (FIXTURES / "templates" / entry["template"]).read_text() if entry["template"] else None
+        args = (case["messages"], entry["kwargs"], template, case["tools"])
+        if "error" in entry:
+            with pytest.raises(ValueError):
+                prompts.from_chat(*args)
+            continue
+        text, ids, _ = prompts.from_chat(*args)
+        assert (text, ids) == (entry["text"], entry["ids"]), (fixture, entry["template"], entry["case"])
+
+
+def test_an_assistant_message_with_calls_may_leave_out_content():
+    prompts = TextPrompts(Tokenizer.from_pretrained(QWEN3))
+    template = (FIXTURES / "templates" / "hermes_tools.jinja").read_text()
+    case = next(c for c in REF["cases"] if c["name"] == "call_and_result")
+    without = [{k: v for k, v in m.items() if v is not None} for m in case["messages"]]
+    assert "content" not in without[1]
+    assert prompts.from_chat(without, None, template, case["tools"]) == \
+        prompts.from_chat(case["messages"], None, template, case["tools"])
+    with pytest.raises(ValueError, match="'role' and 'content'"):
+        prompts.from_chat([{"role": "user"}], None, template, None)
+
+
+def test_tools_and_tool_choice_are_checked():
+    assert check_tools(None) is None and check_tools([]) is None
+    assert check_tools(WEATHER) == [WEATHER]  # one tool alone is a list of one
+    for bad, kind in [("get_weather", TypeError), ([["x"]], TypeError), ([{"type": "function"}], ValueError),
+                      ([{"type": "code", "function": {"name": "f"}}], ValueError),
+                      ([{"type": "function", "function": {"name": ""}}], ValueError),
+                      ([{"type": "function", "function": {"name": "f", "parameters": []}}], ValueError)]:
+        with pytest.raises(kind, match=r"tools"):
+            check_tools(bad)
+    tools = [WEATHER]
+    assert check_tool_choice(None, tools) == "auto" and check_tool_choice(None, None) == "none"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert check_tool_choice(named, tools) == named
+    for bad in ["any", {"type": "function", "function": {"name": "nope"}}, {"function": "get_weather"}]:
+        with pytest.raises(ValueError, match="tool_choice"):
+            check_tool_choice(bad, tools)
+    with pytest.raises(ValueError, match="needs tools"):
+        check_tool_choice("required", None)
+
+
+# ---- parsers on recorded outputs -----------------------------------------------------------------
+# Outputs in the formats the models write (ERNIE-X1's after its thinking part, Qwen/Hermes' <tool_call>).
+QWEN_TWO_CALLS = ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "巴黎", '
+                  '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "search", "arguments": '
+                  '{"query": "Paris \\"events\\"", "top_k": 3}}\n</tool_call>')
+QWEN_BAD_THEN_GOOD = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>\nretrying\n'
+                      '<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>\nDone.')
+ERNIE_CALL = ('The user wants the weather; I should call get_weather.\n</think>\n\n<tool_call>\n'
+              '{"name": "get_weather", "arguments": {"city": "北京"}}\n</tool_call>\n')
+
+
+def calls_of(split: ToolCallSplit) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in split.calls]
+
+
+@pytest.mark.parametrize("name", ["hermes", "ernie-x1"])
+def test_text_before_and_after_calls_and_several_calls(name):
+    parser = get_tool_parser(name)
+    split = parser.split(QWEN_TWO_CALLS, final=True)
+    assert split.text == "I will look both up.\n"
+    assert calls_of(split) == [("get_weather", {"city": "巴黎", "unit": "celsius"}),
+                               ("search", {"query": 'Paris "events"', "top_k": 3})]
+    assert split.calls[0].arguments == '{"city": "巴黎", "unit": "celsius"}'  # JSON text, non-ASCII kept
+    after = parser.split("x <tool_call>{\"name\": \"now\"}</tool_call> \n and after", final=True)
+    assert after.text == "x and after" and calls_of(after) == [("now", {})]
+
+
+@pytest.mark.parametrize("name", ["hermes", "ernie-x1"])
+def test_malformed_calls_stay_in_the_text(name):
+    parser = get_tool_parser(name)
+    split = parser.split(QWEN_BAD_THEN_GOOD, final=True)
+    assert split.text == '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>\nretrying\nDone.'
+    assert calls_of(split) == [("search", {})]
+    for body in ['[1, 2]', '{"arguments": {}}', '{"name": 3}', '{"name": "f", "arguments": [1]}',
+                 '{"name": "f", "arguments": "not json"}', 'plain words']:
+        text = f"a<tool_call>{body}</tool_call>b"
+        assert parser.split(text, final=True) == ToolCallSplit(text, []), body
+    # arguments written as a JSON string holding an object count as that object
+    assert calls_of(parser.split('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', True)) == \
+        [("f", {"a": 1})]
+
+
+def test_an_unclosed_last_call_counts_only_for_hermes():
+    text = 'ok <tool_call>\n{"name": "search", "arguments": {"query": "q"}}\n'
+    assert get_tool_parser("hermes").split(text, final=True) == ToolCallSplit(
+        "ok ", [ParsedCall("search", '{"query": "q"}')])
+    assert get_tool_parser("ernie-x1").split(text, final=True) == ToolCallSplit(text, [])
+    cut = 'ok <tool_call>\n{"name": "search", "argu'  # cut by max_tokens: not a call for either
+    for name in ("hermes", "ernie-x1"):
+        assert get_tool_parser(name).split(cut, final=True) == ToolCallSplit(cut, [])
+
+
+def test_unknown_parser_names_the_allowed_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"tool_call_parser must be one of \['ernie-x1', 'hermes'\]"):
+        get_tool_parser("qwen")
+    with pytest.raises(ValueError, match=r"tool_call_parser must be one of \['ernie-x1', 'hermes'\] or None"):
+        LLM(model=str(QWEN3), tool_call_parser="mistral")
+
+
+@pytest.mark.parametrize("name", ["hermes", "ernie-x1"])
+@pytest.mark.parametrize("text", [QWEN_TWO_CALLS, QWEN_BAD_THEN_GOOD, "no calls <tool_ at all <tool_call"])
+def test_every_prefix_split_is_a_prefix_of_the_final_split(name, text):
+    parser = get_tool_parser(name)
+    final = parser.split(text, final=True)
+    for end in range(len(text) + 1):
+        part = parser.split(text[:end], final=False)
+        assert final.text.startswith(part.text) and final.calls[:len(part.calls)] == part.calls, end
+
+
+def test_forced_call_parsers():
+    from fastdeploy.tool_parsers.forced import NamedCallParser, RequiredCallsParser, forced_call_schema
+    named = NamedCallParser("get_weather")
+    assert named.split('{"city": "x"}', final=False) == ToolCallSplit("", [])  # nothing is sure until the end
+    assert named.split(' {"city" : "巴黎"} ', final=True) == ToolCallSplit(
+        "", [ParsedCall("get_weather", '{"city": "巴黎"}')])
+    assert named.split('{"city": "x', final=True) == ToolCallSplit('{"city": "x', [])
+    required = RequiredCallsParser()
+    text = '[{"name": "get_weather", "parameters": {"city": "x"}}, {"name": "now", "parameters": {}}]'
+    assert calls_of(required.split(text, final=True)) == [("get_weather", {"city": "x"}), ("now", {})]
+    for bad in ["[]", '[{"name": "now"}]', '{"name": "now", "parameters": {}}', "[{"]:
+        assert required.split(bad, final=True) == ToolCallSplit(bad, []), bad
+    assert forced_call_schema({"type": "function", "function": {"name": "get_weather"}}, [WEATHER]) == \
+        WEATHER["function"]["parameters"]
+    schema = forced_call_schema("required", [WEATHER, {"type": "function", "function": {"name": "now"}}])
+    assert schema["minItems"] == 1 and [a["properties"]["name"]["enum"] for a in schema["items"]["anyOf"]] == \
+        [["get_weather"], ["now"]]
+
+
+# ---- through the output processor: whole output vs stream deltas ---------------------------------
+def _request(number: int, prompt: list[int]) -> Request:
+    return Request(request_id=f"t{number}", prompt_token_ids=prompt, params=SamplingParams(), max_tokens=1000,
+                   eos_token_ids=frozenset(), generator=np.random.default_rng(0), metrics=RequestMetrics(0.0))
+
+
+def run_output(processor: OutputProcessor, ids: list[int], stream: bool, number: int, tool_calls: bool = True,
+               thinking: bool = True):
+    """Feed `ids` as a request's output tokens, as the engine does; the final output, or every delta."""
+    request = _request(number, [1, 2, 3])
+    processor.start(request, None, 0, thinking, tool_calls)
+    deltas = []
+    for i, token in enumerate(ids):
+        request.token_ids.append(token)
+        if i == len(ids) - 1:
+            request.finish("stop")
+        processor.on_token(request, token)
+        if stream:
+            deltas.append(processor.make_output(request, delta=True))
+    return deltas if stream else processor.make_output(request)
+
+
+def joined(deltas) -> tuple[str, str | None, list[dict] | None]:
+    text = "".join(d.outputs.text for d in deltas)
+    reasoning = [d.outputs.reasoning_content for d in deltas]
+    items = [item for d in deltas for item in d.outputs.tool_calls or []]
+    return text, None if reasoning[0] is None else "".join(reasoning), join_call_deltas(items) or None
+
+
+@pytest.mark.parametrize("name", ["hermes", "ernie-x1"])
+@pytest.mark.parametrize("text", [QWEN_TWO_CALLS, QWEN_BAD_THEN_GOOD])
+def test_stream_deltas_join_to_the_whole_output(name, text):
+    tok = Tokenizer.from_pretrained(QWEN3)
+    processor = OutputProcessor(tok, None, get_tool_parser(name))
+    ids = tok.encode(text, add_special_tokens=False)
+    whole = run_output(processor, ids, stream=False, number=0).outputs
+    split = get_tool_parser(name).split(tok.decode(ids), final=True)
+    assert whole.text == split.text and whole.finish_reason == "stop"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls] == \
+        [(c.name, c.arguments) for c in split.calls]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in whole.tool_calls)
+    deltas = run_output(processor, ids, stream=True, number=1)
+    text_s, _, calls_s = joined(deltas)
+    assert text_s == whole.text
+    assert [{**c, "id": None} for c in calls_s] == [{**c, "id": None} for c in whole.tool_calls]
+    assert len({c["id"] for c in calls_s}) == len(calls_s)
+    # OpenAI's delta shape: the first item of a call has its id, type and name; the next its arguments
+    items = [item for d in deltas for item in d.outputs.tool_calls or []]
+    assert items[0]["type"] == "function" and items[0]["function"] == {"name": split.calls[0].name, "arguments": ""}
+    assert "id" not in items[1] and items[1]["function"] == {"arguments": split.calls[0].arguments}
+    assert not processor.states
+
+
+def test_calls_come_from_the_content_not_the_reasoning():
+    tok = Tokenizer.from_pretrained(ERNIE)
+    processor = OutputProcessor(tok, get_reasoning_parser("ernie-x1"), get_tool_parser("ernie-x1"))
+    thinking_call = ('maybe <tool_call>{"name": "search", "arguments": {}}</tool_call>?\n' + ERNIE_CALL)
+    ids = tok.encode(thinking_call, add_special_tokens=False)
+    whole = run_output(processor, ids, stream=False, number=0).outputs
+    assert whole.reasoning_content.startswith("maybe <tool_call>") and whole.text == ""
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.tool_calls] == \
+        [("get_weather", {"city": "北京"})]
+    text, reasoning, calls = joined(run_output(processor, ids, stream=True, number=1))
+    assert (text, reasoning) == (whole.text, whole.reasoning_content)
+    assert [c["function"] for c in calls] == [c["function"] for c in whole.tool_calls]
+    # without tools the reasoning parser still drops the call from the text, as before
+    plain = run_output(processor, ids, stream=False, number=2, tool_calls=False).outputs
+    assert plain.text == "" and plain.tool_calls is None and plain.reasoning_content == whole.reasoning_content
+
+
+# ---- LLM.chat -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model=str(QWEN3), max_model_len=256, tool_call_parser="hermes")
+
+
+class _WholeAnswerIsACall(ToolParser):
+    """A stand-in parser for the tiny random model (which writes no <tool_call>): its whole answer, once
+    finished, is one call; while running nothing is sure yet."""
+
+    name = "test"
+
+    def split(self, content: str, final: bool) -> ToolCallSplit:
+        return ToolCallSplit("", [ParsedCall("echo", json.dumps({"text": content}))] if final else [])
+
+
+def test_llm_chat_renders_tools_and_parses_calls(llm, monkeypatch):
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    out = llm.chat(messages, greedy, use_tqdm=False, tools=[WEATHER])[0]
+    expected_prompt = TextPrompts(llm.get_tokenizer()).from_chat(messages, None, None, [WEATHER])
+    assert (out.prompt, out.prompt_token_ids) == expected_prompt[:2] and '"get_weather"' in out.prompt
+    assert out.outputs.tool_calls is None  # the random model wrote no call
+    plain = llm.chat(messages, greedy, use_tqdm=False)[0]
+    assert '"get_weather"' not in plain.prompt and plain.outputs.tool_calls is None
+    with pytest.raises(TypeError, match="tools"):
+        llm.chat(messages, greedy, use_tqdm=False, tools="get_weather")
+
+    monkeypatch.setattr(llm.engine.output_processor, "tool_parser", _WholeAnswerIsACall())
+    whole = llm.chat(messages, greedy, use_tqdm=False, tools=[WEATHER])[0].outputs
+    assert whole.text == "" and [c["function"]["name"] for c in whole.tool_calls] == ["echo"]
+    assert json.loads(whole.tool_calls[0]["function"]["arguments"]) == {"text": out.outputs.text}
+    assert llm.chat(messages, greedy, use_tqdm=False)[0].outputs.tool_calls is None  # no tools: no parsing
+    chunks = [c[0] for c in llm.chat(messages, greedy, use_tqdm=False, tools=[WEATHER], stream=True) if c[0]]
+    text, _, calls = joined(chunks)
+    assert text == "" and [c["function"] for c in calls] == [c["function"] for c in whole.tool_calls]
