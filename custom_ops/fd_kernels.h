@@ -114,6 +114,7 @@ struct KernelTable {
   void (*sample)(const SampleArgs& a);
   void (*pack)(const PackArgs& a);
   void (*moe)(const MoeArgs& a);
+  void (*quick_gelu)(const float* x, float* out, int64_t n);
 };
 
 const KernelTable& avx512_kernels();

@@ -137,6 +137,13 @@ std::vector<paddle::Tensor> SiluMul(const paddle::Tensor& x) {
   return {out};
 }
 
+std::vector<paddle::Tensor> QuickGelu(const paddle::Tensor& x) {
+  check_f32(x, "x");
+  auto out = paddle::empty(x.shape(), paddle::DataType::FLOAT32, x.place());
+  if (x.numel() > 0) kernels().quick_gelu(x.data<float>(), out.data<float>(), x.numel());
+  return {out};
+}
+
 void Rotary(paddle::Tensor& q, paddle::Tensor& k, const paddle::Tensor& cos, const paddle::Tensor& sin,
             bool interleaved) {
   check_f32(q, "q");
@@ -376,6 +383,7 @@ std::vector<Shape> RuntimeShape(const Shape&) { return {{3}}; }
 std::vector<paddle::DataType> RuntimeDtype(const paddle::DataType&) { return {paddle::DataType::INT32}; }
 
 std::vector<Shape> SameShape3(const Shape& x, const Shape&, const Shape&) { return {x, x}; }
+std::vector<Shape> SameShape1(const Shape& x) { return {x}; }
 std::vector<Shape> SameShape2(const Shape& x, const Shape&) { return {x}; }
 std::vector<Shape> HalfLastShape(const Shape& x) {
   Shape s = x;
@@ -413,6 +421,12 @@ PD_BUILD_OP(fd_silu_mul)
     .Outputs({"out"})
     .SetKernelFn(PD_KERNEL(SiluMul))
     .SetInferShapeFn(PD_INFER_SHAPE(HalfLastShape));
+
+PD_BUILD_OP(fd_quick_gelu)
+    .Inputs({"x"})
+    .Outputs({"out"})
+    .SetKernelFn(PD_KERNEL(QuickGelu))
+    .SetInferShapeFn(PD_INFER_SHAPE(SameShape1));
 
 PD_BUILD_OP(fd_rotary)
     .Inputs({"q", "k", "cos", "sin"})

@@ -1,5 +1,6 @@
-"""ops.bidirectional_attention (a ViT's attention within each frame) against softmax attention written in
-numpy, on both instruction sets; each sequence's output does not depend on the others in the batch."""
+"""The ERNIE-4.5-VL vision tower's ops against numpy, on both instruction sets: ops.bidirectional_attention
+(attention within each frame; each sequence's output does not depend on the others in the batch) and
+ops.quick_gelu."""
 import numpy as np
 import paddle
 import pytest
@@ -61,3 +62,13 @@ def test_starts_must_cover_the_rows():
     q, k, v, _ = make(np.random.default_rng(0), 2, 2, 16, [5])
     with pytest.raises(ValueError, match="starts"):
         ops.bidirectional_attention(*map(paddle.to_tensor, (q, k, v)), np.array([0, 4]), 1.0)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (1, 1), (3, 17), (7, 5120 + 5)])
+def test_quick_gelu_matches_numpy(isa, shape):  # noqa: F811
+    x = np.random.default_rng(shape[1]).standard_normal(shape, dtype=np.float32) * 4
+    expected = x.astype(np.float64) / (1 + np.exp(-1.702 * x.astype(np.float64)))
+    for use_compiled in (True, False):
+        out = ops.quick_gelu(paddle.to_tensor(x), use_compiled=use_compiled).numpy()
+        assert out.shape == shape
+        np.testing.assert_allclose(out, expected, rtol=2e-6, atol=1e-6)

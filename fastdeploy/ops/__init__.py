@@ -3,7 +3,7 @@
 Every wrapper takes `use_compiled=True`; when the compiled library cannot be built or run here (no
 compiler, no AVX2), the wrappers run the reference implementations after one logged warning.
 """
-from fastdeploy.ops.activation import silu_and_mul, silu_and_mul_reference
+from fastdeploy.ops.activation import quick_gelu, quick_gelu_reference, silu_and_mul, silu_and_mul_reference
 from fastdeploy.ops.attention import (bidirectional_attention, bidirectional_attention_reference, paged_attention,
                                       paged_attention_reference)
 from fastdeploy.ops.embedding import embedding_lookup, embedding_lookup_reference
@@ -23,7 +23,8 @@ __all__ = [
     "bidirectional_attention_reference", "embedding_lookup",
     "embedding_lookup_reference", "empty_packed", "fused_moe", "fused_moe_reference", "grouped_expert_forward",
     "keep_freed_memory", "library", "pack_into", "pack_into_reference", "pack_weight", "pack_weight_reference",
-    "paged_attention", "paged_attention_reference", "rms_norm", "rms_norm_reference", "rotary_cos_sin",
+    "paged_attention", "paged_attention_reference", "quick_gelu", "quick_gelu_reference", "rms_norm",
+    "rms_norm_reference", "rotary_cos_sin",
     "rotary_embedding_", "runtime_info", "set_isa", "set_num_threads", "share_cores", "silu_and_mul", "silu_and_mul_reference",
     "unpack_weight", "weight_only_linear", "weight_only_linear_reference",
     "sample", "sample_reference", "select_experts",

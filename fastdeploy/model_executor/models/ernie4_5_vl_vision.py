@@ -183,7 +183,7 @@ class VisionBlock(nn.Layer):
     def forward(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, frames: np.ndarray) -> paddle.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, frames)
         hidden = self.mlp.fc1(self.norm2(x))
-        return x + self.mlp.fc2(hidden * nn.functional.sigmoid(1.702 * hidden))  # quick GELU
+        return x + self.mlp.fc2(ops.quick_gelu(hidden))
 
 
 class DFNRopeVisionTransformer(nn.Layer):
