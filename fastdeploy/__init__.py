@@ -6,11 +6,15 @@ with warnings.catch_warnings():  # paddle warns about ccache on import, which co
     warnings.filterwarnings("ignore", message="No ccache found")
     import paddle  # noqa: F401
 
-from fastdeploy.engine.request import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from fastdeploy.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.llm import LLM
+from fastdeploy.model_executor.models.registry import ModelRegistry
+from fastdeploy.utils import current_package_version, version
+from fastdeploy.worker.output import Logprob
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "ModelRegistry",
+           "version"]
+__version__ = current_package_version()

@@ -8,12 +8,16 @@ from typing import Any
 
 from fastdeploy.distributed.parallel_state import check_tp_size
 from fastdeploy.model_executor.model_config import ModelConfig
+from fastdeploy.model_executor.model_resolve import DEFAULT_REVISION, resolve_model
+from fastdeploy.not_implemented_args import refuse_not_implemented
 from fastdeploy.reasoning.parsers import known_parsers
 from fastdeploy.tool_parsers.parsers import known_tool_parsers
 
 QUANTIZATIONS = ("wint8", "wint4")
 MAX_NUM_SEQS_LIMIT = 256
 DEFAULT_CHUNKED_BUDGET = 2048  # FastDeploy's token budget when chunked prefill is on
+DEFAULT_KV_CACHE_RATIO = 0.75
+LOAD_CHOICES = ("default", "default_v1")
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None, allow_none: bool = False) -> None:
@@ -41,9 +45,30 @@ def _check_bool(name: str, value: Any) -> None:
 REQUIRED = dataclasses.MISSING
 
 
-def param(default: Any, doc: str) -> Any:
-    """A config field with its one-line description (the server's --flag help is generated from it)."""
-    return field(default=default, metadata={"help": doc})
+def param(default: Any, doc: str, cli_type: Any = None) -> Any:
+    """A config field with its one-line description (the server's --flag help is generated from it) and,
+    where the annotation does not say it, the type that parses the flag's text."""
+    return field(default=default, metadata={"help": doc, "cli_type": cli_type})
+
+
+def _port_of(value: Any) -> int:
+    """FastDeploy's engine_worker_queue_port forms: an int, "8002", "8002,8003" or a list, one port per
+    data-parallel rank (one rank here); None picks a free port from 8002 up."""
+    if value is None:
+        return 8002
+    if isinstance(value, str):
+        value = [p.strip() for p in value.split(",")]
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ValueError(f"engine_worker_queue_port takes one port per data-parallel rank and there is one "
+                             f"rank here (data_parallel_size=1), got {value!r}")
+        value = value[0]
+        if isinstance(value, str):
+            if not value.isdigit():
+                raise ValueError(f"engine_worker_queue_port must be a port number, got {value!r}")
+            value = int(value)
+    _check_int("engine_worker_queue_port", value, 1, 65535)
+    return value
 
 
 @dataclass
@@ -51,7 +76,10 @@ class EngineConfig:
     """Every LLM(...) parameter (and every server engine flag: the CLI is generated from these fields and
     their `help`), validated once."""
 
-    model: str = param(REQUIRED, "local checkpoint directory (config.json, safetensors, tokenizer files)")
+    model: str = param(REQUIRED, "checkpoint directory (config.json, safetensors, tokenizer files), or a repo id "
+                                 "already downloaded to the Hugging Face cache or FastDeploy's download directory")
+    revision: str | None = param(
+        DEFAULT_REVISION, "branch, tag or commit hash of a repo-id model in the hub cache (master: the default)")
     tokenizer: str | None = param(None, "tokenizer directory (default: the model's)")
     max_model_len: int = param(2048, "prompt + output tokens per request")
     tensor_parallel_size: int = param(1, "ranks the model is split across (this process and N-1 workers)")
@@ -65,7 +93,8 @@ class EngineConfig:
     enable_prefix_caching: bool = param(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = param(False, "compute a prompt longer than the step budget over several steps")
     use_warmup: int = param(0, "1: run one full-budget forward at start-up")
-    engine_worker_queue_port: int = param(8002, "localhost port feeding steps to tensor-parallel workers")
+    engine_worker_queue_port: int | str | list[int] | None = param(
+        8002, "localhost port feeding steps to tensor-parallel workers (the next free one if taken)", cli_type=str)
     enable_mm: bool = param(False, "multimodal models (accepted; ERNIE-4.5-VL takes media whether set or not)")
     limit_mm_per_prompt: dict[str, int] | None = param(None, 'JSON like {"image": 100, "video": 100}')
     mm_processor_kwargs: dict[str, Any] | None = param(
@@ -82,10 +111,16 @@ class EngineConfig:
     seed: int = param(0, "engine-wide seed for unseeded requests")
     chat_template: str | None = param(None, "Jinja chat template (string or file path) overriding the tokenizer's")
     max_logprobs: int = param(20, "largest logprobs a request may ask for (-1: whole vocabulary)")
+    enable_logprob: bool = param(
+        False, "FastDeploy's logprobs switch; logprobs are always available here, so either value is accepted")
+    served_model_name: str | None = param(None, "the model's name in the OpenAI API (default: the model argument)")
+    lm_head_fp32: bool = param(False, "float32 LM head (always so without quantization; with it: not implemented)")
+    load_choices: str = param("default_v1", "FastDeploy's weight loader: default or default_v1 (both load the same here)")
     model_config: ModelConfig = field(init=False, repr=False)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        refuse_not_implemented(kwargs)
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -95,10 +130,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a path to a checkpoint directory, got {type(self.model).__name__}")
-        self.model = os.fspath(self.model)
+        if self.revision is not None and not isinstance(self.revision, str):
+            raise TypeError(f"revision must be a branch, tag or commit hash string, got {type(self.revision).__name__}")
+        self.model = resolve_model(os.fspath(self.model), self.revision)
         if not os.path.isdir(self.model):
-            raise ValueError(f"model must be a local checkpoint directory; {self.model!r} is not a directory "
-                             "(no downloads happen here)")
+            raise ValueError(f"model must be a checkpoint directory or a downloaded repo id; {self.model!r} is "
+                             "neither (no downloads happen here)")
         self.tokenizer = os.fspath(self.tokenizer) if self.tokenizer is not None else self.model
         if not os.path.isdir(self.tokenizer):
             raise ValueError(f"tokenizer must be a directory of tokenizer files, got {self.tokenizer!r}")
@@ -112,13 +149,19 @@ class EngineConfig:
         _check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, allow_none=True)
         _check_fraction("kv_cache_ratio", self.kv_cache_ratio)
+        if self.kv_cache_ratio != DEFAULT_KV_CACHE_RATIO:
+            raise NotImplementedError(
+                f"kv_cache_ratio={self.kv_cache_ratio} is not implemented: FastDeploy's older scheduler splits the KV "
+                "blocks between prefill and decode by it; this engine's scheduler shares one pool (only the default "
+                f"{DEFAULT_KV_CACHE_RATIO} is accepted)")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_int("use_warmup", int(self.use_warmup) if isinstance(self.use_warmup, bool) else self.use_warmup, 0, 1)
-        _check_int("engine_worker_queue_port", self.engine_worker_queue_port, 1, 65535)
+        self.engine_worker_queue_port = _port_of(self.engine_worker_queue_port)
         _check_bool("enable_mm", self.enable_mm)
         _check_int("seed", self.seed, 0)
         _check_int("max_logprobs", self.max_logprobs, -1)
+        self._check_fastdeploy_switches()
         self._check_batched_tokens()
         self._check_multimodal()
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -142,6 +185,18 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len}) unless enable_chunked_prefill=True")
+
+    def _check_fastdeploy_switches(self) -> None:
+        _check_bool("enable_logprob", self.enable_logprob)
+        _check_bool("lm_head_fp32", self.lm_head_fp32)
+        if self.lm_head_fp32 and self.quantization is not None:
+            raise NotImplementedError(f"lm_head_fp32=True with quantization={self.quantization!r} is not implemented: "
+                                      "the quantized embedding / LM head table is int8")
+        if self.load_choices not in LOAD_CHOICES:
+            raise ValueError(f"load_choices must be one of {list(LOAD_CHOICES)}, got {self.load_choices!r}")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name):
+            raise ValueError(f"served_model_name must be a non-empty string or None, got {self.served_model_name!r}")
 
     def _check_guided_decoding(self) -> None:
         allowed = ("auto", "llguidance", "guidance", "off")

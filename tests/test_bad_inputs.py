@@ -53,7 +53,7 @@ def test_sampling_params_validation(kwargs, error, name):
     ({"quantization": "int3"}, ValueError, "quantization"),
     ({"seed": -5}, ValueError, "seed"),
     ({"max_logprobs": -2}, ValueError, "max_logprobs"),
-    ({"reasoning_parser": "deepseek"}, ValueError, "ernie-x1"),
+    ({"reasoning_parser": "no-such-parser"}, ValueError, "ernie-x1"),
     ({"tokenizer": "/nonexistent"}, ValueError, "tokenizer"),
     ({"no_such_option": 1}, TypeError, "no_such_option"),
 ])

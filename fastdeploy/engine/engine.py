@@ -92,10 +92,10 @@ class LLMEngine:
     def make_requests(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, first_index: int,
                       start: float, enable_thinking: bool = True, mm: MultimodalInputs | None = None,
                       error: str | None = None, tool_calls: bool | ToolParser = False) -> list[Request]:
-        """The params.n samples of one prompt (indices first_index...); later ones reuse the first one's
-        cached prompt. `start`: when preprocessing began (time.time())."""
+        """The params.n samples of one prompt (params.best_of candidates when set; indices first_index...);
+        later ones reuse the first one's cached prompt. `start`: when preprocessing began (time.time())."""
         requests: list[Request] = []
-        for sample in range(params.n):
+        for sample in range(params.num_candidates):
             request = self.make_request(prompt, prompt_token_ids, params, first_index + sample, sample=sample,
                                         enable_thinking=enable_thinking, leader=requests[0] if requests else None,
                                         mm=mm, error=error, tool_calls=tool_calls)
@@ -188,7 +188,10 @@ class LLMEngine:
         for (request, position), top in zip(step.prompt_rows, output.prompt_logprobs):
             processor.add_prompt_logprobs(request, position, top)
         for j, top in zip(step.model_input.logprob_rows.tolist(), output.logprobs):
-            processor.add_logprobs(step.samplers[j], tokens[j], top)
+            request = step.samplers[j]
+            request.cumulative_logprob += top.target_logprob
+            if request.params.logprobs is not None:
+                processor.add_logprobs(request, tokens[j], top)
         for request, token in zip(step.samplers, tokens):
             events = processor.on_token(request, token)
             if events.stop_string is not None:
@@ -212,3 +215,13 @@ class LLMEngine:
             output.num_input_image_tokens = request.mm.num_image_tokens
             output.num_input_video_tokens = request.mm.num_video_tokens
         return output
+
+
+def best_candidates(candidates: list[Request]) -> list[Request]:
+    """The params.n of one prompt's candidates to return: with best_of > n the n with the highest
+    cumulative logprob (sum of their sampled tokens' logprobs), best first, as vLLM ranks them."""
+    params = candidates[0].params
+    if not params.ranks_candidates:
+        return candidates
+    ranked = sorted(candidates, key=lambda r: r.cumulative_logprob, reverse=True)
+    return ranked[:params.n]

@@ -11,6 +11,7 @@ import numpy as np
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.guided.matcher import GrammarState
 from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
+from fastdeploy.worker.output import Logprob  # noqa: F401 (the one Logprob type; also importable from here)
 
 
 class RequestStatus(enum.Enum):
@@ -19,11 +20,14 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
-class Logprob:
-    logprob: float
-    rank: int | None = None  # 1-based rank in the vocabulary
-    decoded_token: str | None = None
+class RequestType(enum.Enum):
+    """FastDeploy's task types. Here a request is PREFILL while prompt tokens remain to be computed and
+    DECODE after; PREEMPTED and EXTEND (FastDeploy's worker-queue tasks) never occur in this engine."""
+
+    PREFILL = 0
+    DECODE = 1
+    PREEMPTED = 2
+    EXTEND = 3
 
 
 @dataclass(slots=True)
@@ -96,6 +100,7 @@ class Request:
     prefix_leader: Request | None = None  # a sibling (n > 1) whose prompt blocks this one reuses
     mm: MultimodalInputs | None = None  # ERNIE-4.5-VL: the prompt's media, positions and token types
     grammar: GrammarState | None = None  # guided decoding: the matcher of its constraint
+    cumulative_logprob: float = 0.0  # sum of its sampled tokens' logprobs; kept only for best_of ranking
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -116,6 +121,10 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def task_type(self) -> RequestType:
+        return RequestType.PREFILL if self.num_computed_tokens < self.num_prompt_tokens else RequestType.DECODE
 
     @property
     def is_finished(self) -> bool:

@@ -2,12 +2,22 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any
 
 from fastdeploy.guided.params import GuidedDecodingParams
 
-__all__ = ["GuidedDecodingParams", "SamplingParams"]
+__all__ = ["GuidedDecodingParams", "RequestOutputKind", "SamplingParams"]
+
+class RequestOutputKind(enum.Enum):
+    """FastDeploy's names for what each RequestOutput of a request holds. FastDeploy's SamplingParams has no
+    field taking it; here LLM.generate/chat give FINAL_ONLY (stream=False) or DELTA (stream=True)."""
+
+    CUMULATIVE = 0  # the whole output so far, every time
+    DELTA = 1  # only what is new since the last RequestOutput
+    FINAL_ONLY = 2  # one RequestOutput, when the request has finished
+
 
 MAX_SEED = 922337203685477580  # FastDeploy's upper bound
 
@@ -43,7 +53,9 @@ class SamplingParams:
     a value set here always wins.
     """
 
+    # FastDeploy's fields, in FastDeploy's order (they may be passed positionally), then this project's.
     n: int = 1
+    best_of: int | None = None  # generate best_of >= n candidates, return the n best by cumulative logprob
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -54,19 +66,63 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    bad_words_token_ids: list[int] | None = None
+    stop_seqs_len: int | None = None  # FastDeploy fills it from `stop` internally; setting it is refused
     max_tokens: int | None = None
+    reasoning_max_tokens: int | None = None
     min_tokens: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    reasoning_max_tokens: int | None = None
+    temp_scaled_logprobs: bool = False  # logprobs of the logits divided by temperature
+    top_p_normalized_logprobs: bool = False  # logprobs renormalised to the top_p nucleus
+    bad_words: list[str] | None = None
+    guided_decoding: GuidedDecodingParams | None = None  # constrain the output (JSON schema, regex, ...)
+    bad_words_token_ids: list[int] | None = None
+    logits_processors_args: dict[str, Any] | None = None  # {"logit_bias": {token_id: bias}}
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, text stays "" (vLLM's option)
     ignore_eos: bool = False
-    logits_processors_args: dict[str, Any] | None = None  # {"logit_bias": {token_id: bias}}
-    guided_decoding: GuidedDecodingParams | None = None  # constrain the output (JSON schema, regex, ...)
+
+    @classmethod
+    def from_dict(cls, req_dict: dict[str, Any]) -> SamplingParams:
+        """SamplingParams from a dict of field values (missing fields take their defaults); a
+        guided_decoding given as a dict becomes GuidedDecodingParams. Unknown keys are an error."""
+        if not isinstance(req_dict, dict):
+            raise TypeError(f"from_dict takes a dict, got {type(req_dict).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(req_dict) - names)
+        if unknown:
+            raise ValueError(f"from_dict got unknown SamplingParams field(s) {unknown}")
+        values = dict(req_dict)
+        if isinstance(values.get("guided_decoding"), dict):
+            values["guided_decoding"] = GuidedDecodingParams(**values["guided_decoding"])
+        return cls(**values)
+
+    @classmethod
+    def from_optional(cls, n: int | None, best_of: int | None, presence_penalty: float | None,
+                      frequency_penalty: float | None, repetition_penalty: float | None,
+                      temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None,
+                      seed: int | None = None, stop: str | list[str] | None = None,
+                      stop_token_ids: list[int] | None = None, max_tokens: int | None = None,
+                      reasoning_max_tokens: int | None = None, min_tokens: int = 1, logprobs: int | None = None,
+                      prompt_logprobs: int | None = None, bad_words: list[str] | None = None,
+                      guided_decoding: GuidedDecodingParams | None = None,
+                      bad_words_token_ids: list[int] | None = None,
+                      logits_processors_args: dict[str, Any] | None = None) -> SamplingParams:
+        """FastDeploy's constructor from optional values: a None takes FastDeploy's fixed fallback (n 1,
+        penalties off, temperature 1, top_k 0, min_p 0, max_tokens 8192) instead of the model's
+        generation_config.json default; top_p None stays None (model default)."""
+        return cls(
+            n=1 if n is None else n, best_of=best_of,
+            presence_penalty=0.0 if presence_penalty is None else presence_penalty,
+            frequency_penalty=0.0 if frequency_penalty is None else frequency_penalty,
+            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+            temperature=1.0 if temperature is None else temperature, top_p=top_p,
+            top_k=0 if top_k is None else top_k, min_p=0.0 if min_p is None else min_p, seed=seed, stop=stop,
+            stop_token_ids=stop_token_ids, max_tokens=8192 if max_tokens is None else max_tokens,
+            reasoning_max_tokens=reasoning_max_tokens, min_tokens=min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, bad_words=bad_words, guided_decoding=guided_decoding,
+            bad_words_token_ids=bad_words_token_ids, logits_processors_args=logits_processors_args)
 
     def __post_init__(self) -> None:
         self._verify()
@@ -75,6 +131,15 @@ class SamplingParams:
         _number("n", self.n, integer=True)
         if self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n}")
+        if self.best_of is not None:
+            _number("best_of", self.best_of, integer=True)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be an int >= n ({self.n}), got {self.best_of}")
+        if self.stop_seqs_len is not None:
+            raise NotImplementedError("stop_seqs_len is derived from `stop` internally; pass stop instead")
+        for name in ("temp_scaled_logprobs", "top_p_normalized_logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None:
@@ -163,6 +228,15 @@ class SamplingParams:
             _number("logit_bias value", value)
             if not -100 <= value <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+
+    @property
+    def ranks_candidates(self) -> bool:
+        """Whether more candidates are generated than returned (best_of > n)."""
+        return self.best_of is not None and self.best_of > self.n
+
+    @property
+    def num_candidates(self) -> int:
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def logit_bias(self) -> dict[int, float]:

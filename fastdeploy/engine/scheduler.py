@@ -23,6 +23,7 @@ import numpy as np
 
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestStatus
+from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.ops.sampling_reference import SamplingBatch, greedy_rows
 from fastdeploy.input.ernie4_5_vl_positions import text_positions
 from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, VisionSlice
@@ -81,6 +82,14 @@ def sampling_batch(requests: list[Request]) -> SamplingBatch:
         banned_token_ids=[banned_tokens(r) for r in requests], uniforms=uniforms)
 
 
+def logprob_transforms(params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
+    """Per logprob row, the temperature to scale by and the top_p to renormalise to (1: off), as
+    FastDeploy's temp_scaled_logprobs / top_p_normalized_logprobs. Temperature 0 (greedy) scales by 1."""
+    temperature = [p.temperature if p.temp_scaled_logprobs and p.temperature else 1.0 for p in params]
+    top_p = [p.top_p if p.top_p_normalized_logprobs else 1.0 for p in params]
+    return np.asarray(temperature, dtype=np.float32), np.asarray(top_p, dtype=np.float32)
+
+
 def _int64(values: list[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
@@ -137,7 +146,8 @@ def build_step(requests: list[Request], counts: list[int], block_manager: BlockM
     if any(r.mm is not None for r in requests):
         add_multimodal(forward, requests, counts)
     bias = [(j, t, v) for j, r in enumerate(samplers) for t, v in r.params.logit_bias.items()]
-    logprob_rows = [j for j, r in enumerate(samplers) if r.params.logprobs is not None]
+    # Rows that want their token's logprob: asked for logprobs, or ranked as best_of candidates.
+    logprob_rows = [j for j, r in enumerate(samplers) if r.params.logprobs is not None or r.params.ranks_candidates]
     model_input = SchedulerOutput(
         forward=forward,
         sampling=sampling_batch(samplers),
@@ -146,9 +156,13 @@ def build_step(requests: list[Request], counts: list[int], block_manager: BlockM
         bias_token_ids=_int64([t for _, t, _ in bias]),
         bias_values=np.asarray([v for _, _, v in bias], dtype=np.float32),
         logprob_rows=_int64(logprob_rows),
-        logprob_k=_int64([samplers[j].params.logprobs for j in logprob_rows]),
+        logprob_k=_int64([samplers[j].params.logprobs or 0 for j in logprob_rows]),
         prompt_logprob_k=_int64([r.params.prompt_logprobs for r, _, _ in prompt_rows]),
         prompt_logprob_targets=_int64([r.prompt_token_ids[p + 1] for r, p, _ in prompt_rows]))
+    if any(samplers[j].params.temp_scaled_logprobs or samplers[j].params.top_p_normalized_logprobs
+           for j in logprob_rows):
+        model_input.logprob_temperature, model_input.logprob_top_p = logprob_transforms(
+            [samplers[j].params for j in logprob_rows])
     return ScheduledStep(list(requests), list(counts), samplers, [(r, p) for r, p, _ in prompt_rows], model_input)
 
 

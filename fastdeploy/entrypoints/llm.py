@@ -9,7 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.engine.engine import LLMEngine, best_candidates
 from fastdeploy.engine.request import Request, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.multimodal import prompts_for
@@ -33,8 +33,11 @@ def _unless_media_fail(prepare: Callable[..., Prepared], *args: Any) -> tuple[Pr
 class LLM:
     """Runs a local checkpoint in this process. See docs/offline_inference.md for the parameters."""
 
-    def __init__(self, model: str, **kwargs: Any):
-        self.config = EngineConfig.from_kwargs(model, **kwargs)
+    def __init__(self, model: str, revision: str | None = "master", tokenizer: str | None = None,
+                 enable_logprob: bool = False, chat_template: str | None = None, **kwargs: Any):
+        # FastDeploy's signature (these four may be passed by position); the rest are EngineArgs fields.
+        self.config = EngineConfig.from_kwargs(model, revision=revision, tokenizer=tokenizer,
+                                               enable_logprob=enable_logprob, chat_template=chat_template, **kwargs)
         self.engine = LLMEngine(self.config)
         self._prompts = prompts_for(self.config, self.engine.tokenizer)
 
@@ -49,13 +52,13 @@ class LLM:
         stream=True returns a generator: each item is a list with one slot per output, holding a
         RequestOutput with only the new tokens and text where the step produced some, else None."""
         items = normalize_prompts(prompts)
-        params = self._params_per_prompt(sampling_params, len(items))
-        requests = []
+        params = self._params_per_prompt(sampling_params, len(items), stream)
+        groups: list[list[Request]] = []
         for item, p in zip(items, params):
             start = time.time()
             (text, ids, mm), error = _unless_media_fail(self._prompts.from_prompt, item)
-            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, mm=mm, error=error))
-        return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
+            groups.append(self.engine.make_requests(text, ids, p, sum(map(len, groups)), start, mm=mm, error=error))
+        return self._stream(groups, use_tqdm) if stream else self._run(groups, use_tqdm)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
@@ -68,37 +71,48 @@ class LLM:
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         tools = check_tools(tools)
         conversations = normalize_conversations(messages)
-        params = self._params_per_prompt(sampling_params, len(conversations))
+        params = self._params_per_prompt(sampling_params, len(conversations), stream)
         thinking = bool((chat_template_kwargs or {}).get("enable_thinking", True))
-        requests = []
+        groups: list[list[Request]] = []
         for conversation, p in zip(conversations, params):
             start = time.time()
             (text, ids, mm), error = _unless_media_fail(self._prompts.from_chat, conversation, chat_template_kwargs,
                                                         chat_template, tools)
-            requests.extend(self.engine.make_requests(text, ids, p, len(requests), start, thinking, mm=mm,
-                                                      error=error, tool_calls=tools is not None))
-        return self._stream(requests, use_tqdm) if stream else self._run(requests, use_tqdm)
+            groups.append(self.engine.make_requests(text, ids, p, sum(map(len, groups)), start, thinking, mm=mm,
+                                                    error=error, tool_calls=tools is not None))
+        return self._stream(groups, use_tqdm) if stream else self._run(groups, use_tqdm)
 
     # ---- helpers --------------------------------------------------------------------------
     @staticmethod
-    def _params_per_prompt(sampling_params: Any, count: int) -> list[SamplingParams]:
+    def _params_per_prompt(sampling_params: Any, count: int, stream: bool = False) -> list[SamplingParams]:
         if sampling_params is None:
             return [SamplingParams() for _ in range(count)]
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * count
-        if isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+            params = [sampling_params] * count
+        elif isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
             if len(sampling_params) != count:
                 raise ValueError(f"sampling_params has {len(sampling_params)} entries but there are {count} prompts; "
                                  "pass one SamplingParams or one per prompt")
-            return list(sampling_params)
-        raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
+            params = list(sampling_params)
+        else:
+            raise TypeError("sampling_params must be a SamplingParams, a list of them, or None")
+        if stream and any(p.ranks_candidates for p in params):
+            raise ValueError("best_of > n needs the finished candidates to rank them; not with stream=True")
+        return params
 
-    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, groups: list[list[Request]], use_tqdm: bool) -> list[RequestOutput]:
+        requests = [r for group in groups for r in group]
         for _ in self._steps(requests, use_tqdm):
             pass
-        return [self.engine.make_output(r) for r in requests]
+        outputs = {id(r): self.engine.make_output(r) for r in requests}  # all, so each releases its state
+        kept = [outputs[id(r)] for group in groups for r in best_candidates(group)]
+        if len(kept) < len(requests):  # best_of dropped candidates: number the outputs returned
+            for i, output in enumerate(kept):
+                output.outputs.index = i
+        return kept
 
-    def _stream(self, requests: list[Request], use_tqdm: bool) -> Iterator[list[RequestOutput | None]]:
+    def _stream(self, groups: list[list[Request]], use_tqdm: bool) -> Iterator[list[RequestOutput | None]]:
+        requests = [r for group in groups for r in group]
         position = {id(r): i for i, r in enumerate(requests)}
         rejected = [r for r in requests if r.is_finished]
         if rejected:

@@ -73,6 +73,14 @@ class ErnieX1ReasoningParser(ReasoningParser):
         return reasoning, body if final else hold_back(body, self.RESPONSE_END, newline=True)
 
 
+def prompt_opens_thinking(prompt_text: str | None, enable_thinking: bool) -> bool:
+    """Whether the output starts in the thinking part: the prompt's last think tag is an open <think>
+    (without the prompt text, enable_thinking decides)."""
+    if prompt_text is None:
+        return enable_thinking
+    return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
+
+
 class ErnieVLReasoningParser(ReasoningParser):
     """ERNIE-4.5-VL style: the prompt says whether the model thinks (the last of <think> or </think>
     in the prompt); when it does, text before </think> is reasoning and the rest is the answer."""
@@ -80,9 +88,7 @@ class ErnieVLReasoningParser(ReasoningParser):
     name = "ernie-45-vl"
 
     def starts_in_reasoning(self, prompt_text: str | None, enable_thinking: bool) -> bool:
-        if prompt_text is None:
-            return enable_thinking
-        return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
+        return prompt_opens_thinking(prompt_text, enable_thinking)
 
     def split(self, text: str, final: bool, keep_tool_calls: bool = False) -> tuple[str, str]:
         end = text.find(THINK_END)
@@ -108,8 +114,71 @@ class Qwen3ReasoningParser(ErnieVLReasoningParser):
         return super().split(text, final)
 
 
+class Ernie45VLThinkingReasoningParser(ReasoningParser):
+    """ERNIE-4.5-VL-Thinking: `thinking</think>answer`, or `thinking</think>\n<tool_call>...`.
+
+    Text before </think> is reasoning (all of it while there is no </think>). After it, newlines are
+    dropped (FastDeploy's stream drops them too); a tool call that follows gives no text content (the
+    calls are the content with keep_tool_calls), anything else is the answer. Whether the model starts
+    thinking: the last of <think> / </think> in the prompt, else enable_thinking.
+    """
+
+    name = "ernie-45-vl-thinking"
+    TOOL_CALL = "<tool_call>"
+
+    def starts_in_reasoning(self, prompt_text: str | None, enable_thinking: bool) -> bool:
+        if not prompt_text or (THINK_START not in prompt_text and THINK_END not in prompt_text):
+            return enable_thinking
+        return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
+
+    def split(self, text: str, final: bool, keep_tool_calls: bool = False) -> tuple[str, str]:
+        end = text.find(THINK_END)
+        if end == -1:
+            return (text if final else hold_back(text, THINK_END)), ""
+        reasoning, body = text[:end], text[end + len(THINK_END):].lstrip("\n")
+        if not final and self.TOOL_CALL.startswith(body):
+            return reasoning, ""  # not yet clear whether a tool call follows
+        if body.startswith(self.TOOL_CALL):
+            return reasoning, body if keep_tool_calls else ""
+        return reasoning, body
+
+
+class DeepSeekReasoningParser(ReasoningParser):
+    """DeepSeek-R1 / V3.1 style: the prompt opens the thinking part with <think> (the model may also write
+    it), `thinking</think>answer` follows. Applies when the prompt's last think tag is an open <think>
+    (else the output is all answer, as FastDeploy's content stage).
+
+    With the model's own <think>: reasoning is what follows it up to </think>, as written. Without it:
+    reasoning is the text before </think>, stripped of surrounding whitespace (also while </think> has
+    not come). The answer after </think> is stripped; with no </think> there is no answer.
+    """
+
+    name = "deepseek"
+
+    def starts_in_reasoning(self, prompt_text: str | None, enable_thinking: bool) -> bool:
+        return prompt_opens_thinking(prompt_text, enable_thinking)
+
+    def split(self, text: str, final: bool, keep_tool_calls: bool = False) -> tuple[str, str]:
+        lead = text.lstrip()
+        if not final and lead and THINK_START.startswith(lead) and lead != THINK_START:
+            return "", ""  # may still become the model's own <think>
+        explicit = lead.startswith(THINK_START)
+        if explicit:
+            text = lead[len(THINK_START):]
+        end = text.find(THINK_END)
+        if end == -1:
+            reasoning = text if final else hold_back(text, THINK_END)
+            return (reasoning if explicit else reasoning.strip()), ""
+        reasoning = text[:end] if explicit else text[:end].strip()
+        return reasoning, text[end + len(THINK_END):].strip()  # unfinished: a prefix of the final strip
+
+
+# FastDeploy's registered names (DeepSeek's parser answers to four).
 PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (ErnieX1ReasoningParser, ErnieVLReasoningParser, Qwen3ReasoningParser)}
+    **{cls.name: cls for cls in (ErnieX1ReasoningParser, ErnieVLReasoningParser, Qwen3ReasoningParser,
+                                 Ernie45VLThinkingReasoningParser)},
+    **{name: DeepSeekReasoningParser for name in ("deepseek", "deepseek-r1", "deepseek-v3.1", "deepseek-v3-0324")},
+}
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

@@ -44,6 +44,24 @@ def top_logprobs(logp: np.ndarray, k: int, target: int) -> TopLogprobs:
     return TopLogprobs(top, logp[top], float(logp[target]), rank)
 
 
+def transformed_logprobs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """One row's log-probabilities as FastDeploy's temp_scaled_logprobs / top_p_normalized_logprobs give
+    them: logits divided by temperature, then (top_p < 1) the distribution cut to its top_p nucleus (the
+    tokens whose better-ranked mass is <= top_p) and renormalised. Tokens outside get the float32 minimum,
+    as FastDeploy clips them."""
+    scaled = logits.astype(np.float64) / temperature
+    logp = scaled - scaled.max()
+    logp -= np.log(np.exp(logp).sum())
+    if top_p < 1.0:
+        order = np.argsort(-logp, kind="stable")
+        probs = np.exp(logp[order])
+        keep = order[(np.cumsum(probs) - probs) <= top_p]
+        kept = np.full_like(logp, -np.inf)
+        kept[keep] = logp[keep] - np.log(np.exp(logp[keep]).sum())
+        logp = kept
+    return np.maximum(logp, np.finfo(np.float32).min).astype(np.float32)
+
+
 def with_logit_bias(logits: paddle.Tensor, step: SchedulerOutput) -> paddle.Tensor | np.ndarray:
     """The sampler's input: logits plus each row's logit_bias (before penalties, as vLLM does); the raw
     logits stay untouched for logprobs."""
@@ -208,6 +226,11 @@ class ModelRunner:
         if len(step.logprob_rows) or len(step.prompt_logprob_k):
             # Raw log-softmax of the model's logits (before penalties and temperature).
             logp = paddle.nn.functional.log_softmax(logits, axis=-1).numpy()
+            if len(step.logprob_temperature):  # some rows asked for temp-scaled / top-p-normalised ones
+                raw = logits.numpy()
+                for j, t, p in zip(step.logprob_rows, step.logprob_temperature, step.logprob_top_p):
+                    if t != 1.0 or p < 1.0:
+                        logp[j] = transformed_logprobs(raw[j], float(t), float(p))
             output.logprobs = [top_logprobs(logp[j], int(k), int(tokens[j]))
                                for j, k in zip(step.logprob_rows, step.logprob_k)]
             output.prompt_logprobs = [top_logprobs(logp[num_samples + i], int(k), int(target)) for i, (k, target)

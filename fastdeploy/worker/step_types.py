@@ -59,6 +59,11 @@ class SchedulerOutput:
     # bitmask while the forward runs; ModelRunner.execute waits for it before sampling.
     guided_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     token_bitmask: np.ndarray | None = None  # int32 [len(guided_rows), words]
+    # Per logprob row (float32): the temperature its logits are divided by before the log-softmax
+    # (temp_scaled_logprobs; 1: raw) and the top_p nucleus they are renormalised to
+    # (top_p_normalized_logprobs; 1: none). Empty: all raw.
+    logprob_temperature: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    logprob_top_p: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
     @property
     def num_samples(self) -> int:

@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = LLMEngine(config)
     registry = CollectorRegistry()
     loop = EngineLoop(engine, ServerMetrics(registry))
-    ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer), args.served_model_name or args.model,
+    ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer), config.served_model_name or args.model,
                          args.max_concurrency)
     gate = build_app(ctx, args.api_key, registry if args.metrics_port is None else None)
     if args.metrics_port is not None:

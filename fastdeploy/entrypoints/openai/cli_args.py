@@ -1,5 +1,5 @@
-"""The server's command line: every EngineConfig field as a --kebab-case flag (same default, same
-validation: the values go to EngineConfig), plus the server's own flags."""
+"""The server's command line: every EngineArgs field (the LLM(...) parameters) as a --kebab-case flag
+(same default, same validation: the values go to EngineArgs.create_engine_config), plus the server's own flags."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,7 @@ import json
 from typing import Any
 
 from fastdeploy.config import EngineConfig
-
-ENGINE_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.init]
+from fastdeploy.engine.args_utils import ENGINE_FIELDS, EngineArgs
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -34,7 +33,9 @@ def _add_engine_flag(group: argparse._ArgumentGroup, f: dataclasses.Field) -> No
     else:
         kwargs["default"] = f.default
         kwargs["help"] += " (default: %(default)s)"
-    if base == "bool":
+    if f.metadata.get("cli_type") is not None:
+        kwargs["type"] = f.metadata["cli_type"]
+    elif base == "bool":
         kwargs["action"] = argparse.BooleanOptionalAction
     elif base.startswith("dict"):
         kwargs["type"] = _json_object
@@ -54,8 +55,6 @@ def make_parser() -> argparse.ArgumentParser:
                         help="serve /metrics on this port (default: on the API port)")
     server.add_argument("--api-key", action="append", default=None,
                         help="accept only `Authorization: Bearer KEY` on /v1 (repeat for several keys)")
-    server.add_argument("--served-model-name", default=None,
-                        help="the model's name in the API (default: the --model argument)")
     server.add_argument("--max-concurrency", type=int, default=None,
                         help="API calls served at once; more get HTTP 429 (default: unlimited)")
     server.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
@@ -69,4 +68,4 @@ def make_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The validated EngineConfig of the parsed flags (ValueError/TypeError/NotImplementedError as LLM())."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in ENGINE_FIELDS})
+    return EngineArgs.from_cli_args(args).create_engine_config()

@@ -31,3 +31,29 @@ def get_model_class(architectures: list[str]) -> type:
             return getattr(module, class_name)
     raise ValueError(f"unsupported architecture(s) {list(architectures)}; "
                      f"supported: {', '.join(supported_architectures())}")
+
+
+class ModelRegistry:
+    """FastDeploy's public registry object (`fastdeploy.ModelRegistry`), over the table above. Its
+    lookups mirror FastDeploy's names; registering new model classes is not offered."""
+
+    @classmethod
+    def get_supported_archs(cls) -> list[str]:
+        return supported_architectures()
+
+    @classmethod
+    def get_class(cls, name: str) -> type:
+        """The model class of one architecture name (ValueError when unsupported)."""
+        return get_model_class([name])
+
+    @classmethod
+    def resolve_model_cls(cls, architectures: str | list[str]) -> tuple[type, str]:
+        """(model class, the architecture it was found by) for the first supported name."""
+        names = [architectures] if isinstance(architectures, str) else architectures
+        model_cls = get_model_class(list(names))
+        return model_cls, next(arch for arch in names if arch in _MODELS)
+
+    @classmethod
+    def is_multimodal_model(cls, architectures: str | list[str]) -> bool:
+        names = [architectures] if isinstance(architectures, str) else list(architectures)
+        return any(arch in _MODELS and _MODELS[arch][0] == "ernie4_5_vl" for arch in names)
