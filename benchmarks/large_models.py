@@ -132,7 +132,7 @@ def run_child(ckpt: str, fmt: str, workloads: list[str]) -> dict:
         entry = {"wall_s": wall, "output_tok_s": count * out_len / wall, "prompt_tok_s": count * prompt_len / wall}
         if name == "decode":
             m = outs[0].metrics
-            decode_s = m.arrival_time + m.model_execute_time - m.first_token_time
+            decode_s = m.model_forward_time - m.first_token_time  # first -> last token (both from inference start)
             entry["decode_tok_s"] = (out_len - 1) / decode_s
         result[name] = entry
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

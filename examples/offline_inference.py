@@ -35,7 +35,7 @@ def show(outputs) -> None:
         print(f"    text:   {out.outputs.text!r}")
         print(f"    tokens: {len(out.prompt_token_ids)} in, {len(out.outputs.token_ids)} out, "
               f"finish_reason={out.outputs.finish_reason}, time to first token "
-              f"{m.first_token_time - m.arrival_time:.3f} s, total {m.model_execute_time:.3f} s")
+              f"{m.inference_start_time + m.first_token_time - m.arrival_time:.3f} s, total {m.model_execute_time:.3f} s")
 
 
 def main() -> None:

@@ -19,5 +19,5 @@ def test_documentation_example_runs(tiny_hf):
     msg2 = [{"role": "user", "content": "Write a haiku."}]
     outputs = llm.chat([msg1, msg2], SamplingParams(top_p=0.95, max_tokens=64))
     assert [o.prompt.startswith("<|begin_of_sentence|>") for o in outputs] == [True, True]
-    assert all(o.metrics.first_token_time >= o.metrics.inference_start_time >= o.metrics.arrival_time
+    assert all(o.metrics.inference_start_time >= o.metrics.arrival_time and o.metrics.first_token_time >= 0
                for o in outputs)

@@ -8,6 +8,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 
 import numpy as np
@@ -67,11 +68,12 @@ class LLMEngine:
         number = next(self._ids)
         params = params.with_model_defaults(self.config.model_config.generation_defaults)
         seed = [params.seed, sample] if params.seed is not None else [self.config.seed, number]
-        request = Request(
-            request_id=str(number), prompt_token_ids=list(prompt_token_ids), params=params, max_tokens=0,
+        arrival = arrival_time or time.time()
+        request = Request(  # uuid4 ids, as FastDeploy's LLM: unique across engines and processes
+            request_id=str(uuid.uuid4()), prompt_token_ids=list(prompt_token_ids), params=params, max_tokens=0,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            generator=np.random.default_rng(seed), metrics=RequestMetrics(arrival_time=arrival_time or time.time()),
-            mm=mm)
+            generator=np.random.default_rng(seed), mm=mm,
+            metrics=RequestMetrics(arrival_time=arrival, request_start_time=arrival))
         if params.reasoning_max_tokens is not None and self.output_processor.reasoning_parser is None:
             raise ValueError("reasoning_max_tokens needs a thinking model run with reasoning_parser set on the LLM")
         self.output_processor.start(request, prompt, index, enable_thinking, tool_calls)
@@ -93,13 +95,16 @@ class LLMEngine:
                       start: float, enable_thinking: bool = True, mm: MultimodalInputs | None = None,
                       error: str | None = None, tool_calls: bool | ToolParser = False) -> list[Request]:
         """The params.n samples of one prompt (params.best_of candidates when set; indices first_index...);
-        later ones reuse the first one's cached prompt. `start`: when preprocessing began (time.time())."""
+        later ones reuse the first one's cached prompt. `start`: when the prompt arrived, before preprocessing
+        (time.time()): their arrival_time, as FastDeploy's."""
         requests: list[Request] = []
+        preprocess_cost = time.time() - start
         for sample in range(params.num_candidates):
-            request = self.make_request(prompt, prompt_token_ids, params, first_index + sample, sample=sample,
-                                        enable_thinking=enable_thinking, leader=requests[0] if requests else None,
-                                        mm=mm, error=error, tool_calls=tool_calls)
-            request.metrics.preprocess_cost_time = request.metrics.arrival_time - start
+            request = self.make_request(prompt, prompt_token_ids, params, first_index + sample, arrival_time=start,
+                                        sample=sample, enable_thinking=enable_thinking,
+                                        leader=requests[0] if requests else None, mm=mm, error=error,
+                                        tool_calls=tool_calls)
+            request.metrics.preprocess_cost_time = preprocess_cost
             requests.append(request)
         return requests
 

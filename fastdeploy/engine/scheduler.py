@@ -229,8 +229,9 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.metrics.inference_start_time is None:
-                request.metrics.inference_start_time = time.time()
-                request.metrics.time_in_queue = request.metrics.inference_start_time - request.metrics.arrival_time
+                m = request.metrics
+                m.inference_start_time = time.time()
+                m.time_in_queue = m.inference_start_time - (m.arrival_time + (m.preprocess_cost_time or 0.0))
             self.running.append(request)
             scheduled.append(request)
             counts.append(num_new)
@@ -242,12 +243,14 @@ class Scheduler:
         for request, n in zip(step.requests, step.num_new_tokens):
             request.num_computed_tokens += n
             self.block_manager.cache_full_blocks(request)
-            request.metrics.model_forward_time = (request.metrics.model_forward_time or 0.0) + output.forward_seconds
         now = time.time()
         for request, token in zip(step.samplers, output.sampled_token_ids.tolist()):
             request.token_ids.append(token)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
+            m = request.metrics  # FastDeploy's meanings: durations up to this (the latest) output token
+            if m.first_token_time is None:
+                m.first_token_time = now - m.inference_start_time
+            m.model_forward_time = now - m.inference_start_time
+            m.model_execute_time = now - m.arrival_time
             if request.forced_tokens:
                 request.forced_tokens.pop(0)  # the runner emitted it instead of a sample
             self._check_stop(request, token)

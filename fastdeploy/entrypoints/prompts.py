@@ -89,7 +89,9 @@ def render_chat_text(tokenizer: Tokenizer, conversation: Sequence[Mapping[str, A
     """One conversation rendered with the chat template (media parts as their placeholders); `tools`
     (OpenAI tool dicts) reach the template as its `tools` variable."""
     messages = [check_message(m, allow_media) for m in conversation]
-    kwargs = dict(add_generation_prompt=True, chat_template=chat_template, **(chat_template_kwargs or {}))
+    kwargs = {"chat_template": chat_template, **(chat_template_kwargs or {})}
+    # The prompt opens the assistant's reply unless it continues the last message (transformers' two modes).
+    kwargs.setdefault("add_generation_prompt", not kwargs.get("continue_final_message", False))
     if tools is not None:
         if "tools" in kwargs:
             raise ValueError("pass tools either as tools= or in chat_template_kwargs, not both")

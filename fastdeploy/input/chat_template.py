@@ -239,19 +239,62 @@ def render_chat_template(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     special_tokens: Mapping[str, str] | None = None,
     tools: Sequence[Any] | None = None,
     documents: Sequence[Any] | None = None,
     **kwargs: Any,
 ) -> str:
-    """Render `messages` with the Jinja template `source`; template errors become ValueError."""
+    """Render `messages` with the Jinja template `source`; template errors become ValueError.
+    continue_final_message: the text ends inside the last message, right after its content, so the model
+    continues that message (transformers' semantics; not together with add_generation_prompt)."""
+    if continue_final_message not in (True, False, "content"):
+        raise NotImplementedError(f"continue_final_message={continue_final_message!r}: only True/False "
+                                  "(continue the last message's content) are supported")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be set: the first ends "
+                         "the prompt inside the last message, the second opens a new assistant message")
     template = compile_chat_template(source)
     chat = prepare_messages(messages, detect_content_format(source))
+    final = _tag_final_message(chat, source) if continue_final_message else None
     variables = {**(special_tokens or {}), **{k: _plain(v) for k, v in kwargs.items()}}
     try:
-        return template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
+        text = template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
                                add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as exc:
         raise ValueError(str(exc)) from None
     except (TypeError, AttributeError, KeyError, IndexError) as exc:
         raise ValueError(f"chat template failed on these messages: {exc}") from None
+    return text if final is None else _cut_at_tag(text, final)
+
+
+# Appended to the last message's content to find where it ends in the rendered text (as transformers does).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(chat: list[dict[str, Any]], source: str) -> str:
+    """Mark the end of the last message's content (its last text part); return the content marked."""
+    content = chat[-1].get("content")
+    if content is None:
+        raise ValueError("continue_final_message is set but the last message has no content to continue")
+    if "content" not in source:
+        raise ValueError("continue_final_message is set but the chat template never reads a message's content")
+    if isinstance(content, str):
+        chat[-1]["content"] = content + _CONTINUE_TAG
+        return content
+    for i in reversed(range(len(content))):
+        part = content[i]
+        if isinstance(part, dict) and "text" in part:
+            content[i] = {**part, "text": part["text"] + _CONTINUE_TAG}
+            return part["text"]
+    raise ValueError("continue_final_message is set but the last message has no text part to continue")
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise ValueError("continue_final_message is set but the chat template drops (part of) the last message, "
+                         "so the prompt cannot end inside it")
+    at = text.rindex(tag)
+    # A template that trims the content also trimmed the tag's space: cut the whitespace before it too.
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()

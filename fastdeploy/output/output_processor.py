@@ -8,7 +8,7 @@ string or a reasoning tag, so the deltas of a request always join to exactly its
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastdeploy.engine.request import CompletionOutput, Logprob, Request, RequestOutput
 from fastdeploy.input.tokenizer import Tokenizer
@@ -149,6 +149,8 @@ class OutputProcessor:
         tool_calls = [call_dict(c, i) for c, i in zip(calls, state.call_ids)] if calls else None
         token_ids = request.output_token_ids
         logprobs, prompt_logprobs = state.logprobs, state.prompt_logprobs
+        last = logprobs[-1].get(token_ids[-1]) if logprobs and token_ids else None
+        last_logprob = None if last is None else last.logprob
         if delta:
             sent_tokens = state.sent_tokens
             prompt_logprobs = prompt_logprobs if sent_tokens == 0 else None  # sent with the first delta
@@ -165,11 +167,11 @@ class OutputProcessor:
             self.release(request.request_id)
         completion = CompletionOutput(
             index=state.index, send_idx=max(request.num_output_tokens - 1, 0), token_ids=token_ids, text=text,
-            reasoning_content=reasoning, logprobs=logprobs, finish_reason=request.finish_reason,
+            reasoning_content=reasoning, logprob=last_logprob, logprobs=logprobs, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, tool_calls=tool_calls)
         return RequestOutput(
             request_id=request.request_id, prompt=state.prompt, prompt_token_ids=request.prompt_token_ids,
-            outputs=completion, finished=request.is_finished, metrics=request.metrics,
+            outputs=completion, finished=request.is_finished, metrics=replace(request.metrics),  # a snapshot
             num_cached_tokens=request.num_cached_tokens, error_code=request.error_code,
             error_msg=request.error_msg, prompt_logprobs=prompt_logprobs)
 

@@ -211,7 +211,6 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, wait_for_masks: Callable[[], object] | None = None) -> ModelRunnerOutput:
         """Forward and sample the step. `wait_for_masks`: returns once step.token_bitmask is filled (the engine
         computes the grammar masks while the forward runs)."""
-        start = time.perf_counter()
         logits = self._forward(step.forward)
         num_samples = step.num_samples
         tokens = np.zeros(0, dtype=np.int64)
@@ -235,7 +234,6 @@ class ModelRunner:
                                for j, k in zip(step.logprob_rows, step.logprob_k)]
             output.prompt_logprobs = [top_logprobs(logp[num_samples + i], int(k), int(target)) for i, (k, target)
                                       in enumerate(zip(step.prompt_logprob_k, step.prompt_logprob_targets))]
-        output.forward_seconds = time.perf_counter() - start
         return output
 
     def _forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:

@@ -85,4 +85,3 @@ class ModelRunnerOutput:
     sampled_token_ids: np.ndarray  # [S] int64
     logprobs: list[TopLogprobs] = field(default_factory=list)  # one per SchedulerOutput.logprob_rows entry
     prompt_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per prompt row
-    forward_seconds: float = 0.0

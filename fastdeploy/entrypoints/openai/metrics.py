@@ -58,12 +58,12 @@ class ServerMetrics:
         self.prefix_hits.inc(request.num_cached_tokens)
         if request.finish_reason in ("stop", "length"):
             self.success.inc()
-        if m.first_token_time is not None:
-            self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.first_token_time is not None:  # FastDeploy's meaning: a duration from inference_start_time
+            ttft = m.inference_start_time + m.first_token_time - m.arrival_time
+            self.ttft.observe(ttft)
             if m.model_execute_time is not None:
-                finished = m.arrival_time + m.model_execute_time
                 self.e2e.observe(m.model_execute_time)
                 if request.num_output_tokens > 1:
-                    self.tpot.observe((finished - m.first_token_time) / (request.num_output_tokens - 1))
+                    self.tpot.observe((m.model_execute_time - ttft) / (request.num_output_tokens - 1))
         if m.time_in_queue is not None:
             self.queue.observe(m.time_in_queue)
