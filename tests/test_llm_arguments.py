@@ -7,6 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 
 from fastdeploy import LLM, SamplingParams
@@ -146,7 +147,7 @@ def caches(tmp_path, monkeypatch, tiny_hf):
         (repo / "refs").mkdir(parents=True, exist_ok=True)
         (repo / "refs" / ref).write_text(commit)
     home.mkdir()
-    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("FD_MODEL_CACHE", raising=False)
     return hub, home, repo

@@ -4,9 +4,9 @@ Nothing is downloaded: the places looked at are the ones the usual download tool
 - FastDeploy's own download directory: `$FD_MODEL_CACHE/<repo id>` or `~/<repo id>` (FastDeploy downloads
   there, spelling Baidu's repos "PaddlePaddle/..." on AIStudio / ModelScope and "baidu/..." on Hugging Face).
   Such a flat copy records no revision, so it is used only for the default revision.
-- The Hugging Face hub cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`):
+- The Hugging Face hub cache where huggingface_hub puts it (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+  `~/.cache/huggingface/hub`, read by that library at import):
   `models--ORG--NAME/snapshots/<commit>/`, the commit found through `refs/<branch>` or given as a hash.
-The environment variables are read only to find these standard locations, as the tools that fill them do.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import logging
 import os
 from pathlib import Path
 
+from huggingface_hub import constants as hf_constants
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -23,16 +24,14 @@ DEFAULT_REVISION = "master"  # FastDeploy's default; the hub calls its default b
 
 
 def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache the `hf download` command fills by default."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-    return Path(home).expanduser() / "hub"
+    """The Hugging Face hub cache the `hf download` command fills by default, as huggingface_hub locates it."""
+    return Path(hf_constants.HF_HUB_CACHE).expanduser()
 
 
 def fastdeploy_download_dir() -> Path:
     """Where FastDeploy's own LLM(model=<repo id>) downloads to (its FD_MODEL_CACHE, else the home directory)."""
-    return Path(os.environ.get("FD_MODEL_CACHE") or os.path.expanduser("~")).expanduser()
+    where = os.environ.get("FD_MODEL_CACHE")  # env-ok: FastDeploy's own name for this location
+    return Path(where or os.path.expanduser("~")).expanduser()
 
 
 def _spellings(repo_id: str) -> list[str]:
