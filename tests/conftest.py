@@ -1,4 +1,7 @@
+import http.server
 import json
+import threading
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,3 +51,32 @@ def compiled_ops(enabled: bool):
             mp.setattr(build, "_library", None)
         assert (ops.library() is not None) == enabled
         yield
+
+
+@contextmanager
+def serve_files(files: Mapping[str, bytes]) -> Iterator[str]:
+    """A local http server on 127.0.0.1 answering GET `path` with files[path], anything else 404; yields its
+    base URL."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            payload = files.get(self.path)
+            if payload is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        thread.join(10)

@@ -3,10 +3,8 @@
 tokens; a video_url part gives what LLM.chat gives in this process on the same mp4; bad media get a 400
 naming the problem while the server keeps serving."""
 import base64
-import http.server
 import io
 import json
-import threading
 from pathlib import Path
 
 import httpx
@@ -15,6 +13,7 @@ import pytest
 
 from fastdeploy import LLM, SamplingParams
 
+from conftest import serve_files
 from test_api_server import KEY, Server
 from test_ernie45_vl_vision import gradient_image
 
@@ -46,27 +45,8 @@ def image_messages(url: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def media_host():
     """A local http server: /image.png is the reference image, anything else 404."""
-    body = png(gradient_image(64, 48))
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the stdlib's name
-            if self.path != "/image.png":
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    thread.join(10)
+    with serve_files({"/image.png": png(gradient_image(64, 48))}) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,15 @@
 """Loading images from every accepted source, and the errors for bad ones (http against a local
 server on 127.0.0.1)."""
 import base64
-import http.server
 import io
-import threading
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from fastdeploy.input import media
+
+from conftest import serve_files
 
 
 def png_bytes(width=20, height=10) -> bytes:
@@ -21,28 +21,8 @@ def png_bytes(width=20, height=10) -> bytes:
 
 @pytest.fixture(scope="module")
 def server():
-    body = png_bytes()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the stdlib's name
-            payload = {"/cat.png": body, "/bad.png": b"not an image"}.get(self.path)
-            if payload is None:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    thread.join(10)
+    with serve_files({"/cat.png": png_bytes(), "/bad.png": b"not an image"}) as url:
+        yield url
 
 
 def test_every_source_gives_the_same_pixels(tmp_path, server):
