@@ -1,6 +1,7 @@
 """FastDeploy's import path for the ERNIE tokenizers (`from fastdeploy.input.ernie_tokenizer import
-ErnieBotTokenizer`): a thin class over the project's Tokenizer whose apply_chat_template takes transformers'
-`tokenize` keyword, so the documented ERNIE-4.5-VL `generate` example renders its prompt unchanged."""
+ErnieBotTokenizer`, or `Ernie4_5Tokenizer` as FastDeploy's Chinese offline-inference page imports it): a thin
+class over the project's Tokenizer whose apply_chat_template takes transformers' `tokenize` keyword, so the
+documented ERNIE-4.5-VL `generate` example renders its prompt unchanged."""
 from __future__ import annotations
 
 from typing import Any
@@ -16,3 +17,8 @@ class ErnieBotTokenizer(Tokenizer):
         text = super().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+Ernie4_5Tokenizer = ErnieBotTokenizer  # the same class under its ERNIE-4.5 name
+
+__all__ = ["Ernie4_5Tokenizer", "ErnieBotTokenizer"]

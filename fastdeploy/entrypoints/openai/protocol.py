@@ -46,6 +46,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = _OFFLINE["ignore_eos"]
     include_stop_str_in_output: bool = _OFFLINE["include_stop_str_in_output"]
     skip_special_tokens: bool = _OFFLINE["skip_special_tokens"]
+    temp_scaled_logprobs: bool = _OFFLINE["temp_scaled_logprobs"]
+    top_p_normalized_logprobs: bool = _OFFLINE["top_p_normalized_logprobs"]
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False
     stream: bool = False
@@ -99,9 +101,14 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = _OFFLINE["best_of"]  # only completions carry it (OpenAI's and FastDeploy's protocol)
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.logprobs, self.max_tokens)
+        params = self.sampling_params(self.logprobs, self.max_tokens, best_of=self.best_of)
+        if self.stream and params.ranks_candidates:  # as OpenAI: the ranked candidates cannot be streamed
+            raise ValueError(f"best_of ({self.best_of}) > n ({self.n}) cannot be used with stream=true: the "
+                             "candidates are ranked once finished")
+        return params
 
 
 class ErrorInfo(BaseModel):

@@ -125,12 +125,13 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(requests: Sequence[Request], n: int) -> dict[str, Any]:
-    """OpenAI's usage: prompt tokens counted once per prompt (not per sample), every sample's output."""
-    prompt = sum(r.num_prompt_tokens for r in requests[::n])
+def usage(requests: Sequence[Request], per_prompt: int) -> dict[str, Any]:
+    """OpenAI's usage: prompt tokens counted once per prompt (not per sample), every sample's output.
+    per_prompt: the requests of each prompt (n, or best_of candidates), consecutive."""
+    prompt = sum(r.num_prompt_tokens for r in requests[::per_prompt])
     completion = sum(r.num_output_tokens for r in requests)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in requests[::n])}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in requests[::per_prompt])}}
 
 
 def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

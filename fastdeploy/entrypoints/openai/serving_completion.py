@@ -1,5 +1,6 @@
 """POST /v1/completions: whole responses and SSE streams, one or several prompts (text or token ids).
-With a reasoning parser, a choice's thinking part is in `reasoning_content`, as FastDeploy's."""
+With a reasoning parser, a choice's thinking part is in `reasoning_content`, as FastDeploy's. With
+best_of > n each prompt's n best candidates are returned (not streamed)."""
 from __future__ import annotations
 
 import time
@@ -9,12 +10,13 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from fastdeploy.engine.engine import best_candidates
 from fastdeploy.engine.request import Logprob, Request
 from fastdeploy.entrypoints.multimodal import Prepared
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params, sse,
-    top_entries, usage)
+    SSE_DONE, APIError, Choice, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
+    sse, top_entries, usage)
 
 
 def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prepared]:
@@ -49,24 +51,37 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, http: 
     start = time.time()
     prompts = _prompts(ctx, body)
     requests = make_requests(ctx, prompts, params, start)
-    echoes = [_echo(ctx, body, prompts[i // body.n]) for i in range(len(requests))]
+    per_prompt = params.num_candidates  # requests of each prompt: n, or best_of candidates
     call_id, created = new_id("cmpl"), now()
     k = body.logprobs or 0
-    if body.stream:
-        return StreamingResponse(_stream(ctx, body, requests, echoes, call_id, created, k),
+    if body.stream:  # best_of > n was refused: every request is a choice
+        echoes = [_echo(ctx, body, prompts[i // per_prompt]) for i in range(len(requests))]
+        return StreamingResponse(_stream(ctx, body, requests, echoes, call_id, created, k, per_prompt),
                                  media_type="text/event-stream")
     choices = await gather(ctx, requests, http)
     response = {
         "id": call_id, "object": "text_completion", "created": created, "model": ctx.model_name,
         "choices": [{
-            "index": i, "text": echoes[i] + c.text, "reasoning_content": c.reasoning,
+            "index": i, "text": _echo(ctx, body, prompts[p]) + c.text, "reasoning_content": c.reasoning,
             "logprobs": completion_logprobs(c.token_ids, c.logprobs, k, 0) if body.logprobs is not None else None,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-            **_token_ids(body, requests[i], c.token_ids),
-        } for i, c in enumerate(choices)],
-        "usage": usage(requests, body.n),
+            **_token_ids(body, request, c.token_ids),
+        } for i, (p, request, c) in enumerate(_returned(requests, choices, per_prompt))],
+        # Every generated candidate's tokens count, as OpenAI bills best_of.
+        "usage": usage(requests, per_prompt),
     }
     return JSONResponse(response)
+
+
+def _returned(requests: list[Request], choices: list[Choice], per_prompt: int) -> list[tuple[int, Request, Choice]]:
+    """(prompt index, request, choice) of each choice to return, in order: every request, or with best_of > n
+    each prompt's n best candidates by cumulative logprob, best first (as LLM.generate returns them)."""
+    choice_of = {id(r): c for r, c in zip(requests, choices)}
+    returned = []
+    for p in range(len(requests) // per_prompt):
+        group = requests[p * per_prompt:(p + 1) * per_prompt]
+        returned += [(p, r, choice_of[id(r)]) for r in best_candidates(group)]
+    return returned
 
 
 def _echo(ctx: ServingContext, body: CompletionRequest, prompt: Prepared) -> str:
@@ -83,7 +98,7 @@ def _token_ids(body: CompletionRequest, request: Request, completion: list[int])
 
 
 async def _stream(ctx: ServingContext, body: CompletionRequest, requests: list[Request], echoes: list[str],
-                  call_id: str, created: int, k: int) -> AsyncIterator[str]:
+                  call_id: str, created: int, k: int, per_prompt: int) -> AsyncIterator[str]:
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return sse({"id": call_id, "object": "text_completion", "created": created, "model": ctx.model_name,
                     "choices": choices, **extra})
@@ -112,7 +127,7 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, requests: list[R
                 choice["completion_token_ids"] = out.token_ids
             yield chunk([choice])
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage=usage(requests, body.n))
+            yield chunk([], usage=usage(requests, per_prompt))
     except APIError as e:
         yield sse({"error": {"message": e.message, "type": "internal_server_error", "code": e.status}})
     yield SSE_DONE
