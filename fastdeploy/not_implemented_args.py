@@ -3,7 +3,9 @@
 FastDeploy code may pass any of them: its default value describes what this engine is (one node, one
 data-parallel rank, no prefill/decode split, no speculative decoding, no GPU-specific kernels, no remote
 scheduler), so it is accepted; any other value raises NotImplementedError naming the parameter.
-Names taken from FastDeploy 2.x `fastdeploy/engine/args_utils.py` and `LLM.__init__`."""
+Names taken from FastDeploy 2.x `fastdeploy/engine/args_utils.py` and `LLM.__init__` (use_cudagraph and
+innode_prefill_ports from its earlier 2.x releases, still in its docs/parameters.md). The server takes each as a
+--flag too (fastdeploy/entrypoints/openai/cli_args.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -16,6 +18,7 @@ NOT_IMPLEMENTED: dict[str, Any] = {
     "rsync_config": None, "speculative_config": None, "graph_optimization_config": None,
     "plas_attention_config": None, "enable_early_stop": False, "early_stop_config": None,
     "enable_keep_sampling_mask": False, "logprobs_mode": "raw_logprobs", "enable_entropy": False,
+    "use_cudagraph": False,
     # multimodal caches
     "max_encoder_cache": -1, "max_processor_cache": -1, "disable_chunked_mm_input": False,
     # KV cache: swapping, storage, block pre-allocation
@@ -29,7 +32,7 @@ NOT_IMPLEMENTED: dict[str, Any] = {
     "eplb_config": None, "routing_replay_config": None, "skip_port_check": False,
     # prefill/decode disaggregation
     "splitwise_role": "mixed", "cache_transfer_protocol": "ipc,rdma", "pd_comm_port": None, "rdma_comm_ports": None,
-    "router": None,
+    "router": None, "innode_prefill_ports": None,
     # chunked prefill tuning of FastDeploy's scheduler
     "max_num_partial_prefills": 1, "max_long_partial_prefills": 1, "long_prefill_token_threshold": 0,
     "enable_overlap_schedule": False,

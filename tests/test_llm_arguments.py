@@ -50,6 +50,8 @@ FASTDEPLOY_DEFAULTS = {
     "load_choices": "default_v1", "lm_head_fp32": False, "logits_processors": None, "router": None,
     "enable_eplb": False, "eplb_config": None, "routing_replay_config": None, "skip_port_check": False,
     "enable_entropy": False,
+    # In EngineArgs of FastDeploy's earlier 2.x releases and still in its docs/parameters.md table.
+    "use_cudagraph": False, "innode_prefill_ports": None,
 }
 # Where this engine's default differs on purpose (docs/offline_inference.md, "Differences from FastDeploy").
 DIFFERENT_DEFAULTS = {

@@ -1,14 +1,25 @@
 """The server's command line: every EngineArgs field (the LLM(...) parameters) as a --kebab-case flag
-(same default, same validation: the values go to EngineArgs.create_engine_config), plus the server's own flags."""
+(same default, same validation: the values go to EngineArgs.create_engine_config), the server's own flags, and
+FastDeploy's parameters this engine does not implement (fastdeploy/not_implemented_args.py): accepted at
+FastDeploy's default, any other value stops the server at start-up naming the flag."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 from typing import Any
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.args_utils import ENGINE_FIELDS, EngineArgs
+from fastdeploy.not_implemented_args import NOT_IMPLEMENTED, refuse_not_implemented
+
+# FastDeploy's LLM keywords `port` and `metrics_port` are this server's own --port / --metrics-port (honoured).
+SERVER_OWN = frozenset({"port", "metrics_port"})
+NOT_IMPLEMENTED_FLAGS = [name for name in NOT_IMPLEMENTED if name not in SERVER_OWN]
+# FastDeploy's command-line forms that the default's type does not give: a list of class names, a tri-state switch.
+_FORMS: dict[str, dict[str, Any]] = {"logits_processors": {"nargs": "+"},
+                                     "shutdown_comm_group_if_worker_idle": {"action": argparse.BooleanOptionalAction}}
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -22,6 +33,24 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 _TYPES = {"int": int, "float": float, "str": str}
+
+
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _seconds(text: str) -> float:
+    value = _number(text)
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}")
+    return float(value)
 
 
 def _add_engine_flag(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
@@ -44,9 +73,25 @@ def _add_engine_flag(group: argparse._ArgumentGroup, f: dataclasses.Field) -> No
     group.add_argument(flag, **kwargs)
 
 
+def _add_not_implemented_flag(group: argparse._ArgumentGroup, name: str) -> None:
+    default = NOT_IMPLEMENTED[name]
+    kwargs: dict[str, Any] = {"dest": name, "default": default,
+                              "help": f"FastDeploy's; only its default {default!r} is accepted here"}
+    if name in _FORMS:
+        kwargs.update(_FORMS[name])
+    elif isinstance(default, bool):  # FastDeploy's forms: --flag for a switch that is off, --no-flag for one on
+        kwargs["action"] = "store_true" if not default else argparse.BooleanOptionalAction
+    elif isinstance(default, (int, float)):
+        kwargs["type"] = _number
+    else:  # str, or None: then any value given is refused, whatever its text
+        kwargs["type"] = str
+    group.add_argument("--" + name.replace("_", "-"), **kwargs)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fastdeploy.entrypoints.openai.api_server",
+        usage="%(prog)s --model MODEL [options] (see --help)",  # the full usage would bury an error's message
         description="OpenAI-compatible API server (chat and text completions, /metrics) on one engine.")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -57,15 +102,28 @@ def make_parser() -> argparse.ArgumentParser:
                         help="accept only `Authorization: Bearer KEY` on /v1 (repeat for several keys)")
     server.add_argument("--max-concurrency", type=int, default=None,
                         help="API calls served at once; more get HTTP 429 (default: unlimited)")
+    server.add_argument("--max-waiting-time", type=_seconds, default=-1,
+                        help="seconds a request may wait for a seat in the running batch; one still waiting then "
+                             "fails with HTTP 408 (negative: no limit) (default: %(default)s)")
     server.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds running requests may take to finish (default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = parser.add_argument_group("engine (the LLM(...) parameters)")
     for f in ENGINE_FIELDS:
         _add_engine_flag(engine, f)
+    fastdeploy_only = parser.add_argument_group(
+        "FastDeploy parameters not implemented by this CPU engine (fastdeploy/not_implemented_args.py)")
+    for name in NOT_IMPLEMENTED_FLAGS:
+        _add_not_implemented_flag(fastdeploy_only, name)
     return parser
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The validated EngineConfig of the parsed flags (ValueError/TypeError/NotImplementedError as LLM())."""
+    """The validated EngineConfig of the parsed flags (ValueError/TypeError/NotImplementedError as LLM(); a
+    FastDeploy-only flag away from its default is a NotImplementedError naming it)."""
+    for name in NOT_IMPLEMENTED_FLAGS:
+        try:
+            refuse_not_implemented({name: getattr(args, name)})
+        except NotImplementedError as e:
+            raise NotImplementedError(f"--{name.replace('_', '-')}: {e}") from None
     return EngineArgs.from_cli_args(args).create_engine_config()

@@ -22,6 +22,9 @@ from fastdeploy.entrypoints.openai.engine_loop import EngineFailed, EngineLoop
 from fastdeploy.tool_parsers.parsers import ToolParser
 
 _DISCONNECT_POLL_S = 1.0  # a non-streaming call checks this often whether its client is still there
+# Under --max-waiting-time a call checks this often whether the engine loop (another thread) has scheduled
+# its requests; a poll, because a scheduled request need not produce output in that step (chunked prefill).
+_SCHEDULED_POLL_S = 0.01
 
 
 class APIError(Exception):
@@ -39,6 +42,7 @@ class ServingContext:
     prompts: TextPrompts | MultimodalPrompts  # how chat messages become token ids (and media inputs)
     model_name: str
     max_concurrency: int | None = None
+    max_waiting_time: float | None = None  # seconds a request may wait for a seat (None: no limit)
     in_flight: int = 0  # API calls being served (touched only on the event loop)
 
     def check_model(self, name: str | None) -> None:
@@ -86,12 +90,36 @@ def make_requests(ctx: ServingContext, prompts: Sequence[Prepared], params: Samp
     return requests
 
 
-async def request_outputs(ctx: ServingContext, requests: list[Request], http: HTTPRequest | None = None
-                          ) -> AsyncIterator[RequestOutput]:
-    """Every output delta of the requests until all are finished. If the caller stops listening (a
-    streaming client went away: the task is cancelled) or `http`'s client disconnects, the unfinished
-    requests are aborted and their KV blocks freed at the next step."""
+async def submit(ctx: ServingContext, requests: list[Request]) -> asyncio.Queue:
+    """Queue the requests of one API call for the engine; the queue their outputs arrive on. With
+    --max-waiting-time, first wait until the engine has scheduled each of them: if one is still waiting for a
+    seat in the running batch after that many seconds, all are aborted and the call fails with HTTP 408
+    (FastDeploy's status for it), before a stream's response starts."""
     queue = ctx.loop.submit(requests)
+    if ctx.max_waiting_time is None:
+        return queue
+    deadline = time.monotonic() + ctx.max_waiting_time
+    try:
+        # A failed engine schedules nothing: request_outputs then reports the failure (500), not a timeout.
+        while not ctx.loop.failed and any(r.metrics.inference_start_time is None and not r.is_finished
+                                          for r in requests):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise APIError(408, f"the request waited more than --max-waiting-time={ctx.max_waiting_time:g} s "
+                                    f"for a seat in the running batch (--max-num-seqs="
+                                    f"{ctx.engine.config.max_num_seqs}); retry later")
+            await asyncio.sleep(min(left, _SCHEDULED_POLL_S))
+    except BaseException:  # timed out, or the call was cancelled while waiting
+        ctx.loop.abort(requests)
+        raise
+    return queue
+
+
+async def request_outputs(ctx: ServingContext, requests: list[Request], queue: asyncio.Queue,
+                          http: HTTPRequest | None = None) -> AsyncIterator[RequestOutput]:
+    """Every output delta of the submitted requests (`queue`: what submit() returned) until all are finished.
+    If the caller stops listening (a streaming client went away: the task is cancelled) or `http`'s client
+    disconnects, the unfinished requests are aborted and their KV blocks freed at the next step."""
     remaining = len(requests)
     try:
         while remaining:
@@ -164,8 +192,9 @@ class Choice:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
 
-async def gather(ctx: ServingContext, requests: list[Request], http: HTTPRequest) -> list[Choice]:
+async def gather(ctx: ServingContext, requests: list[Request], queue: asyncio.Queue, http: HTTPRequest
+                 ) -> list[Choice]:
     choices = [Choice() for _ in requests]
-    async for output in request_outputs(ctx, requests, http):
+    async for output in request_outputs(ctx, requests, queue, http):
         choices[output.outputs.index].add(output)
     return choices

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: whole responses and SSE streams."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from fastdeploy.engine.request import Logprob, Request, RequestOutput
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
     SSE_DONE, APIError, Choice, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
-    sse, top_entries, usage)
+    sse, submit, top_entries, usage)
 from fastdeploy.engine.sampling_params import GuidedDecodingParams, SamplingParams
 from fastdeploy.tool_parsers import check_tool_choice, check_tools, join_call_deltas, known_tool_parsers
 from fastdeploy.tool_parsers.forced import forced_call_parser, forced_call_schema
@@ -53,10 +54,11 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     requests = make_requests(ctx, [prompt], params, start, thinking, tool_calls=parse_calls)
     call_id, created = new_id("chatcmpl"), now()
     k = body.top_logprobs or 0
+    queue = await submit(ctx, requests)
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, requests, call_id, created, k, calls_finish),
+        return StreamingResponse(_stream(ctx, body, requests, queue, call_id, created, k, calls_finish),
                                  media_type="text/event-stream")
-    choices = await gather(ctx, requests, http)
+    choices = await gather(ctx, requests, queue, http)
     response = {
         "id": call_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
         "choices": [{
@@ -114,8 +116,8 @@ def _token_ids(body: ChatCompletionRequest, request: Request, completion: list[i
     return {"prompt_token_ids": request.prompt_token_ids, "completion_token_ids": completion}
 
 
-async def _stream(ctx: ServingContext, body: ChatCompletionRequest, requests: list[Request], call_id: str,
-                  created: int, k: int, calls_finish: bool) -> AsyncIterator[str]:
+async def _stream(ctx: ServingContext, body: ChatCompletionRequest, requests: list[Request], queue: asyncio.Queue,
+                  call_id: str, created: int, k: int, calls_finish: bool) -> AsyncIterator[str]:
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return sse({"id": call_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
                     "choices": choices, **extra})
@@ -127,7 +129,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, requests: li
                 delta["prompt_token_ids"] = request.prompt_token_ids
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
         called: set[int] = set()  # choices that made tool calls
-        async for output in request_outputs(ctx, requests):
+        async for output in request_outputs(ctx, requests, queue):
             choice = _delta_choice(body, output, k, called, calls_finish)
             for part in _one_call_item_each(choice):
                 yield chunk([part])

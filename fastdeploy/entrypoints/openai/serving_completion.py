@@ -3,6 +3,7 @@ With a reasoning parser, a choice's thinking part is in `reasoning_content`, as 
 best_of > n each prompt's n best candidates are returned (not streamed)."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,7 @@ from fastdeploy.entrypoints.multimodal import Prepared
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
     SSE_DONE, APIError, Choice, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
-    sse, top_entries, usage)
+    sse, submit, top_entries, usage)
 
 
 def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prepared]:
@@ -54,11 +55,12 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, http: 
     per_prompt = params.num_candidates  # requests of each prompt: n, or best_of candidates
     call_id, created = new_id("cmpl"), now()
     k = body.logprobs or 0
+    echoes = [_echo(ctx, body, prompts[i // per_prompt]) for i in range(len(requests))] if body.stream else []
+    queue = await submit(ctx, requests)
     if body.stream:  # best_of > n was refused: every request is a choice
-        echoes = [_echo(ctx, body, prompts[i // per_prompt]) for i in range(len(requests))]
-        return StreamingResponse(_stream(ctx, body, requests, echoes, call_id, created, k, per_prompt),
+        return StreamingResponse(_stream(ctx, body, requests, queue, echoes, call_id, created, k, per_prompt),
                                  media_type="text/event-stream")
-    choices = await gather(ctx, requests, http)
+    choices = await gather(ctx, requests, queue, http)
     response = {
         "id": call_id, "object": "text_completion", "created": created, "model": ctx.model_name,
         "choices": [{
@@ -97,8 +99,8 @@ def _token_ids(body: CompletionRequest, request: Request, completion: list[int])
     return {"prompt_token_ids": request.prompt_token_ids, "completion_token_ids": completion}
 
 
-async def _stream(ctx: ServingContext, body: CompletionRequest, requests: list[Request], echoes: list[str],
-                  call_id: str, created: int, k: int, per_prompt: int) -> AsyncIterator[str]:
+async def _stream(ctx: ServingContext, body: CompletionRequest, requests: list[Request], queue: asyncio.Queue,
+                  echoes: list[str], call_id: str, created: int, k: int, per_prompt: int) -> AsyncIterator[str]:
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return sse({"id": call_id, "object": "text_completion", "created": created, "model": ctx.model_name,
                     "choices": choices, **extra})
@@ -108,7 +110,7 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, requests: list[R
         for i, echo in enumerate(echoes):
             if echo:
                 yield chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
-        async for output in request_outputs(ctx, requests):
+        async for output in request_outputs(ctx, requests, queue):
             out = output.outputs
             logprobs = None
             if body.logprobs is not None and out.token_ids:
