@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=1, help="rounds per B; the median-total-time one is kept")
     parser.add_argument("--llama-bench", help="path of llama-batched-bench: run it too, on --gguf")
     parser.add_argument("--gguf", default="", help="LABEL=PATH,... GGUF files for --llama-bench")
-    parser.add_argument("--isa", default="best", choices=("best", "avx2", "avx512"),
+    parser.add_argument("--isa", default="best", choices=("best", "avx2", "avx512", "avx512_bf16"),
                         help="our kernels' instruction set (avx2 runs the AVX2 path on an AVX-512 CPU)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's -t (ours uses all cores)")
     parser.add_argument("--json", type=Path, help="write every row here")

@@ -84,8 +84,9 @@ def read_bandwidth_gbs() -> float:
 
 
 def isa() -> str:
-    flags = Path("/proc/cpuinfo").read_text()
-    return "avx512" if "avx512_vnni" in flags or "avx512vnni" in flags else "avx2"
+    """The instruction set the compiled kernels run here (avx512_bf16, avx512 or avx2)."""
+    from fastdeploy import ops
+    return str(ops.runtime_info()["detected_isa"])
 
 
 def decode_bytes_per_token(model, top_k: int, num_experts: int) -> int:

@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--formats", default="int4,int8,bf16")
     parser.add_argument("--tokens", default="1,16,128")
     parser.add_argument("--threads", type=int, default=0, help="0: one per core")
-    parser.add_argument("--isa", default="best", choices=["best", "avx512", "avx2"])
+    parser.add_argument("--isa", default="best", choices=["best", "avx512_bf16", "avx512", "avx2"])
     parser.add_argument("--bandwidth", type=float, default=29.5, help="the machine's DRAM read GB/s")
     args = parser.parse_args()
     if ops.library() is None:

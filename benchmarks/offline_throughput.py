@@ -7,7 +7,7 @@
 
 The checkpoint (hidden 1024, 18 layers, 16 q heads x 128, 2 kv heads, ffn 3072, vocab 103424, tied
 embeddings; bf16 safetensors, ~0.7 GB) is written to benchmarks/.cache/ on first use. Formats: "bf16"
-(the checkpoint's weights as stored, computed in fp32), "wint8", "wint4" (LLM(quantization=...)).
+(the checkpoint's bf16 weights as stored, bf16 matmul inputs), "wint8", "wint4" (LLM(quantization=...)).
 Workloads are greedy with fixed lengths (no EOS): output tokens / total wall time, prefill included;
 TTFT is the mean time from arrival to first token. Each format (and transformers) runs in its own
 process, so the peak memory printed is that run's. --compare-hf runs transformers (torch, fp32) on

@@ -267,7 +267,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="gemv,gemv_large,gemm,accuracy,attention,elementwise,step,pack")
     parser.add_argument("--threads", type=int, default=0, help="0: one per core")
-    parser.add_argument("--isa", default="best", choices=["best", "avx512", "avx2"])
+    parser.add_argument("--isa", default="best", choices=["best", "avx512_bf16", "avx512", "avx2"])
     args = parser.parse_args()
     if ops.library() is None:
         sys.exit("the compiled ops are unavailable on this machine (see the warning above)")

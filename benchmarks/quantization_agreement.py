@@ -1,9 +1,10 @@
-"""How closely wint8 / wint4 follow the unquantized model, greedy.
+"""How closely bf16 compute, wint8 and wint4 follow the float32 model, greedy.
 
     .venv/bin/python benchmarks/quantization_agreement.py [--tokens 48]
 
-For each model (the bundled demo model and the tiny test checkpoints) the unquantized engine writes a
-greedy continuation of each prompt; then for each quantization:
+For each model (the bundled demo model and the tiny test checkpoints) the engine with dtype="float32"
+(the stored weights, every matmul in float32) writes a greedy continuation of each prompt; then for each
+format (bf16: the default for these bf16 checkpoints, bf16 matmul inputs; wint8; wint4):
   free-running   the share of positions where the quantized engine's own greedy continuation has the
                  same token (once two continuations part they rarely meet again, so this compounds);
   teacher-forced the share of positions where, fed the unquantized continuation, the quantized model's
@@ -55,15 +56,15 @@ def main() -> None:
     logging.getLogger("fastdeploy").setLevel(logging.WARNING)
     print(f"{'model':<28} {'format':<7} {'free-running':>13} {'teacher-forced':>15} {'mean |dlogprob|':>16}")
     for label, path in MODELS.items():
-        base = LLM(model=str(path), max_model_len=512)
+        base = LLM(model=str(path), max_model_len=512, dtype="float32")
         prompts, seqs = continuations(base, args.tokens)
         want = np.concatenate(seqs)
         _, base_lp = forced(base, prompts, seqs)
-        for quantization in ("wint8", "wint4"):
+        for quantization in (None, "wint8", "wint4"):
             llm = LLM(model=str(path), max_model_len=512, quantization=quantization)
             free = np.mean(np.concatenate(continuations(llm, args.tokens)[1]) == want)
             tops, lp = forced(llm, prompts, seqs)
-            print(f"{label:<28} {quantization:<7} {free:>13.1%} {np.mean(tops == want):>15.1%} "
+            print(f"{label:<28} {quantization or 'bf16':<7} {free:>13.1%} {np.mean(tops == want):>15.1%} "
                   f"{np.mean(np.abs(lp - base_lp)):>16.4f}")
 
 

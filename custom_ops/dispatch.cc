@@ -17,7 +17,8 @@ int detect() {
   bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                 __builtin_cpu_supports("avx512vnni");
-  return avx512 ? 2 : (avx2 ? 1 : 0);
+  bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+  return bf16 ? 3 : (avx512 ? 2 : (avx2 ? 1 : 0));
 }
 
 std::atomic<int> g_active{-1};
@@ -42,6 +43,7 @@ void set_active_isa(int level) {
 
 const KernelTable* active_kernels() {
   switch (active_isa()) {
+    case 3:
     case 2: return &avx512_kernels();
     case 1: return &avx2_kernels();
     default: return nullptr;

@@ -120,7 +120,8 @@ struct KernelTable {
 const KernelTable& avx512_kernels();
 const KernelTable& avx2_kernels();
 
-// ISA levels: 0 = none usable, 1 = AVX2 + FMA, 2 = AVX-512 (F, BW, VL, DQ, VNNI).
+// ISA levels: 0 = none usable, 1 = AVX2 + FMA, 2 = AVX-512 (F, BW, VL, DQ, VNNI), 3 = that + AVX512_BF16
+// (the same kernel table; the bf16 linear kernel then uses the bf16 dot-product instruction).
 int detected_isa();
 int active_isa();
 void set_active_isa(int level);  // clamped to what the CPU supports; -1 = best available

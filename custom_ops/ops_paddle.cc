@@ -366,7 +366,7 @@ std::vector<paddle::DataType> MoeDtype(const paddle::DataType& x, const paddle::
   return {x, paddle::DataType::INT64, x};
 }
 
-// Reads (and optionally changes) the run-time configuration: isa -2 = keep, -1 = best, 0..2 = that level
+// Reads (and optionally changes) the run-time configuration: isa -2 = keep, -1 = best, 0..3 = that level
 // (clamped to the CPU's); threads -1 = keep, 0 = one per core. Returns [detected, active, threads].
 std::vector<paddle::Tensor> Runtime(const paddle::Tensor& x, int isa, int threads) {
   if (isa >= -1) fd::set_active_isa(isa);

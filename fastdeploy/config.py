@@ -14,6 +14,9 @@ from fastdeploy.reasoning.parsers import known_parsers
 from fastdeploy.tool_parsers.parsers import known_tool_parsers
 
 QUANTIZATIONS = ("wint8", "wint4")
+# dtype spellings (vLLM's and PyTorch's) -> the precision of unquantized weights (layers/packed.py Precision)
+DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+          "float": "float32"}
 MAX_NUM_SEQS_LIMIT = 256
 DEFAULT_CHUNKED_BUDGET = 2048  # FastDeploy's token budget when chunked prefill is on
 DEFAULT_KV_CACHE_RATIO = 0.75
@@ -108,13 +111,14 @@ class EngineConfig:
     guided_decoding_disable_any_whitespace: bool = param(
         False, "guided JSON output without optional whitespace between its tokens")
     quantization: str | None = param(None, "weight-only quantization while loading: wint8 or wint4")
+    dtype: str = param("auto", "unquantized weights: auto (as stored), bfloat16 (bf16 matmul inputs) or float32")
     seed: int = param(0, "engine-wide seed for unseeded requests")
     chat_template: str | None = param(None, "Jinja chat template (string or file path) overriding the tokenizer's")
     max_logprobs: int = param(20, "largest logprobs a request may ask for (-1: whole vocabulary)")
     enable_logprob: bool = param(
         False, "FastDeploy's logprobs switch; logprobs are always available here, so either value is accepted")
     served_model_name: str | None = param(None, "the model's name in the OpenAI API (default: the model argument)")
-    lm_head_fp32: bool = param(False, "float32 LM head (always so without quantization; with it: not implemented)")
+    lm_head_fp32: bool = param(False, "hold the embedding / LM head table in float32 and compute the logits in float32")
     load_choices: str = param("default_v1", "FastDeploy's weight loader: default or default_v1 (both load the same here)")
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -166,6 +170,9 @@ class EngineConfig:
         self._check_multimodal()
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        self.dtype = DTYPES[self.dtype]
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise TypeError("chat_template must be a Jinja template string or a path to a template file")
         if self.reasoning_parser is not None and self.reasoning_parser not in known_parsers():
@@ -189,9 +196,6 @@ class EngineConfig:
     def _check_fastdeploy_switches(self) -> None:
         _check_bool("enable_logprob", self.enable_logprob)
         _check_bool("lm_head_fp32", self.lm_head_fp32)
-        if self.lm_head_fp32 and self.quantization is not None:
-            raise NotImplementedError(f"lm_head_fp32=True with quantization={self.quantization!r} is not implemented: "
-                                      "the quantized embedding / LM head table is int8")
         if self.load_choices not in LOAD_CHOICES:
             raise ValueError(f"load_choices must be one of {list(LOAD_CHOICES)}, got {self.load_choices!r}")
         if self.served_model_name is not None and (not isinstance(self.served_model_name, str)

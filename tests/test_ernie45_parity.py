@@ -27,7 +27,7 @@ TOL = 1e-3
 
 @pytest.fixture(scope="module", params=["ernie45_tiny_hf", "ernie45_tiny_paddle"])
 def model(request: pytest.FixtureRequest) -> paddle.nn.Layer:
-    return load_model(ModelConfig.from_pretrained(FIXTURES / "models" / request.param))
+    return load_model(ModelConfig.from_pretrained(FIXTURES / "models" / request.param), dtype="float32")
 
 
 class Runner:
@@ -171,7 +171,7 @@ def test_use_bias_in_both_layouts(tmp_path: Path) -> None:
         with Checkpoint(str(source)) as ckpt:
             tensors = {n: ckpt.read(n) for n in ckpt.tensors}
         save_file({**tensors, **extra}, str(out / "model.safetensors"))
-        model = load_model(ModelConfig.from_pretrained(out))
+        model = load_model(ModelConfig.from_pretrained(out), dtype="float32")
         for case in variant["cases"]:
             prompt, outputs = case["prompt_token_ids"], case["output_token_ids"]
             logprobs = Runner(model).step({0: prompt + outputs[:-1]})[0]

@@ -113,12 +113,12 @@ def paddle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module", params=["hf", "paddle"])
 def model(request: pytest.FixtureRequest, paddle_dir: Path) -> paddle.nn.Layer:
-    return load_model(ModelConfig.from_pretrained(VL if request.param == "hf" else paddle_dir))
+    return load_model(ModelConfig.from_pretrained(VL if request.param == "hf" else paddle_dir), dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def hf_model() -> paddle.nn.Layer:
-    return load_model(ModelConfig.from_pretrained(VL))
+    return load_model(ModelConfig.from_pretrained(VL), dtype="float32")
 
 
 # ---- inputs of a case ----

@@ -147,8 +147,8 @@ def layout_copy(root: Path, resampler_prefix: str = "resampler_model.", in_out: 
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ernie4_5_VLVisionEncoder]:
     paddle_dir = layout_copy(tmp_path_factory.mktemp("vl"))
-    return {"hf": Ernie4_5_VLVisionEncoder.from_pretrained(VL),
-            "paddle": Ernie4_5_VLVisionEncoder.from_pretrained(paddle_dir)}
+    return {"hf": Ernie4_5_VLVisionEncoder.from_pretrained(VL, dtype="float32"),
+            "paddle": Ernie4_5_VLVisionEncoder.from_pretrained(paddle_dir, dtype="float32")}
 
 
 _OUTPUTS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}

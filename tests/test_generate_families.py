@@ -25,7 +25,7 @@ def run(request):
     fixture, compiled = request.param
     ref = json.loads((REFERENCE / FAMILIES[fixture]).read_text())
     with compiled_ops(compiled):
-        llm = LLM(model=str(FIXTURES / "models" / fixture), block_size=16, max_num_seqs=8)
+        llm = LLM(model=str(FIXTURES / "models" / fixture), block_size=16, max_num_seqs=8, dtype="float32")
         params = SamplingParams(temperature=0, max_tokens=ref["max_new_tokens"], ignore_eos=True,
                                 logprobs=ref["top_k"])
         outputs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in ref["cases"]], params,

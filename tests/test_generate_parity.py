@@ -18,7 +18,7 @@ TOP_K = REF["top_k"]
 def outputs(request):
     fixture, compiled = request.param
     with compiled_ops(compiled):
-        llm = LLM(model=request.getfixturevalue(fixture), block_size=16, max_num_seqs=8)
+        llm = LLM(model=request.getfixturevalue(fixture), block_size=16, max_num_seqs=8, dtype="float32")
         params = SamplingParams(temperature=0, max_tokens=REF["max_new_tokens"], ignore_eos=True, logprobs=TOP_K)
         return llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in CASES], params, use_tqdm=False)
 

@@ -15,7 +15,7 @@ PROMPTS = [[17, 250, 33, 480, 91, 700, 12, 5], [9, 8, 7], list(range(40, 75))]
 
 @pytest.fixture(scope="module")
 def llm(tiny_hf):
-    return LLM(model=tiny_hf, block_size=16, max_num_seqs=8)
+    return LLM(model=tiny_hf, block_size=16, max_num_seqs=8, dtype="float32")  # compared with transformers' float32
 
 
 def full_logits(llm, tokens):

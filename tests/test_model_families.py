@@ -53,7 +53,7 @@ def assert_matches(logprobs: np.ndarray, expected: dict, where: str) -> None:
 
 
 def load(path: Path) -> paddle.nn.Layer:
-    return load_model(ModelConfig.from_pretrained(path))
+    return load_model(ModelConfig.from_pretrained(path), dtype="float32")
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -17,7 +17,7 @@ from fastdeploy.ops import build
 from fastdeploy.ops import moe as moe_module
 
 LIB = build.library()
-ISAS = [name for name in ("avx512", "avx2") if LIB is not None and build.set_isa(name) == name]
+ISAS = [name for name in ("avx512_bf16", "avx512", "avx2") if LIB is not None and build.set_isa(name) == name]
 if LIB is not None:
     build.set_isa("best")
 pytestmark = pytest.mark.skipif(LIB is None, reason="the compiled ops are unavailable here")

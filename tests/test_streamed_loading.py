@@ -14,7 +14,7 @@ import pytest
 from fastdeploy import ops
 from fastdeploy.distributed.parallel_state import TPGroup
 from fastdeploy.model_executor.model_config import ModelConfig
-from fastdeploy.model_executor.layers.packed import named_slots, packed_parameters
+from fastdeploy.model_executor.layers.packed import Precision, named_slots, packed_parameters
 from fastdeploy.model_executor.load import Checkpoint, load_model, load_weights, plan_loading
 from fastdeploy.model_executor.memory_plan import RUNTIME_BYTES, weights_bytes
 from fastdeploy.model_executor.models.registry import get_model_class
@@ -39,7 +39,7 @@ def test_streamed_quantized_weights_equal_packing_the_float_weights(fixture: str
         model = load_model(config, tp, quantization)
         for name, slot in named_slots(model):
             fmt = slot.target.value.fmt
-            assert fmt == slot.target.format_for(quantization)
+            assert fmt == Precision(quantization).format_for(slot.target)
             reference = exact[name].T if slot.linear_in_out is False else exact[name]  # the table is [hidden, rows]
             expected = ops.unpack_weight(pack_weight(np.ascontiguousarray(reference), fmt)).numpy()
             got = slot.dense().T if slot.linear_in_out is False else slot.dense()
@@ -59,32 +59,32 @@ def test_model_too_large_is_refused_before_allocating() -> None:
     weights = packed_parameters(model)
     with Checkpoint(config.model_path) as ckpt:
         plan_loading(model, ckpt)  # records how each weight is stored, which decides its format
-    need = {q: weights_bytes(weights, q) for q in (None, "wint4")}
+    need = {q: weights_bytes(weights, Precision(q)) for q in (None, "wint4")}
     assert need["wint4"] < need[None]
     # Between what wint4 and bf16 need: bf16 is refused, naming what fits, before any weight is allocated.
     budget = RUNTIME_BYTES + (need[None] + need["wint4"]) // 2
     with Checkpoint(config.model_path) as ckpt, pytest.raises(ValueError) as err:
-        load_weights(model, ckpt, None, available_bytes=budget)
+        load_weights(model, ckpt, Precision(), available_bytes=budget)
     message = str(err.value)
     assert "need ~" in message and "GiB is available" in message and "quantization='wint4' needs" in message
     assert all(w.value is None for w in weights)
     with Checkpoint(config.model_path) as ckpt:
-        load_weights(model, ckpt, "wint4", available_bytes=budget)  # fits
+        load_weights(model, ckpt, Precision("wint4"), available_bytes=budget)  # fits
     assert sum(w.value.nbytes for w in weights) == need["wint4"]  # the plan's estimate is exact
     assert {w.value.fmt for w in weights} == {"int4", "int8", "fp32"}  # layers, vocabulary table, f32 router
     with Checkpoint(config.model_path) as ckpt, pytest.raises(ValueError, match="no supported quantization fits"):
-        load_weights(build("ernie45_moe_tiny_hf")[1], ckpt, "wint4", available_bytes=RUNTIME_BYTES)
+        load_weights(build("ernie45_moe_tiny_hf")[1], ckpt, Precision("wint4"), available_bytes=RUNTIME_BYTES)
 
 
 def test_tensor_parallel_ranks_count_all_ranks_weights() -> None:
     config, model = build("qwen2_tiny", TPGroup(0, 2))
     with Checkpoint(config.model_path) as ckpt:
         plan_loading(model, ckpt)
-    one_rank = weights_bytes(packed_parameters(model), None)
+    one_rank = weights_bytes(packed_parameters(model), Precision())
     with Checkpoint(config.model_path) as ckpt, pytest.raises(ValueError, match="need ~"):
-        load_weights(model, ckpt, None, available_bytes=RUNTIME_BYTES + int(one_rank * 1.5), tp_size=2)
+        load_weights(model, ckpt, Precision(), available_bytes=RUNTIME_BYTES + int(one_rank * 1.5), tp_size=2)
     with Checkpoint(config.model_path) as ckpt:
-        load_weights(model, ckpt, None, available_bytes=RUNTIME_BYTES + int(one_rank * 2.5), tp_size=2)
+        load_weights(model, ckpt, Precision(), available_bytes=RUNTIME_BYTES + int(one_rank * 2.5), tp_size=2)
 
 
 RSS_SCRIPT = """

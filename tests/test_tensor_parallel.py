@@ -47,7 +47,7 @@ FAMILIES = {  # fixture -> reference
 }
 # Small budget and pool: long prompts are prefilled in chunks and requests get preempted.
 ENGINE = dict(block_size=16, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=32,
-              num_gpu_blocks_override=14, enable_prefix_caching=False)
+              num_gpu_blocks_override=14, enable_prefix_caching=False, dtype="float32")  # vs transformers float32
 LOGPROB_TOL = 1e-4  # tensor parallel vs one rank (only the summation order differs)
 REF_TOL = 1e-3  # vs transformers
 
@@ -227,7 +227,7 @@ def test_workers_end_with_the_llm_object_and_a_new_llm_works(tiny_hf: str) -> No
     case = ref["cases"][0]
     params = SamplingParams(temperature=0, max_tokens=len(case["output_token_ids"]), ignore_eos=True)
     for _ in range(2):
-        llm = LLM(model=tiny_hf, tensor_parallel_size=2, block_size=16)
+        llm = LLM(model=tiny_hf, tensor_parallel_size=2, block_size=16, dtype="float32")  # transformers' tokens
         pids = llm.engine.runner.worker_pids
         assert pids and all(alive(p) for p in pids)
         assert all(os.getsid(p) != os.getsid(0) for p in pids)  # own session: no terminal Ctrl-C
@@ -257,7 +257,7 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path: Path, tiny_hf: str) 
 
 def test_ctrl_c_waits_for_the_step_and_leaves_ranks_in_step(tiny_hf: str) -> None:
     ref = REFS["ernie45_tiny_greedy.json"]
-    llm = LLM(model=tiny_hf, tensor_parallel_size=2, block_size=16, max_num_seqs=4)
+    llm = LLM(model=tiny_hf, tensor_parallel_size=2, block_size=16, max_num_seqs=4, dtype="float32")
     long = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
     timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()

@@ -1,6 +1,6 @@
-"""Packed linear weights in the engine: which format each layer gets, that unquantized packing is exact,
-and that wint8 / wint4 keep the demo model's greedy choices (teacher-forced against the unquantized
-model's own continuation)."""
+"""Packed linear weights in the engine: which format each layer gets (quantization, dtype, lm_head_fp32),
+that unquantized packing is exact, and that bf16 compute, wint8 and wint4 keep the demo model's greedy
+choices (teacher-forced against the float32 model's own continuation)."""
 from pathlib import Path
 
 import numpy as np
@@ -47,12 +47,27 @@ def test_quantization_formats_per_layer(quantization, body):
     formats = packed_formats(llm)
     for name, fmt in formats.items():
         if name.endswith("mlp.gate.weight"):
-            assert fmt in ("fp32", "bf16"), name  # the router is never quantized
+            assert fmt == "fp32", name  # the router is never quantized: routing is computed in float32
         elif name in ("lm_head", "model.embed_tokens.weight"):
             assert fmt == "int8"  # the vocabulary table
         else:
             assert fmt == body, name
     assert any(".experts." in n for n in formats) and any(n.endswith("mlp.gate.weight") for n in formats)
+
+
+def test_dtype_and_lm_head_fp32_choose_the_formats():
+    as_stored = packed_formats(LLM(model=str(MOE), max_model_len=256))
+    fp32 = LLM(model=str(MOE), max_model_len=256, dtype="float32")
+    assert set(packed_formats(fp32).values()) == {"fp32"}
+    assert {f for n, f in as_stored.items() if not n.endswith("mlp.gate.weight")} == {"bf16"}  # stored bf16
+    assert packed_formats(LLM(model=str(MOE), max_model_len=256, dtype="bf16")) == as_stored
+    # float32 holds the stored bf16 values exactly
+    bf16_weights = named_weights(LLM(model=str(MOE), max_model_len=256).engine.runner.model)
+    for name, w in named_weights(fp32.engine.runner.model).items():
+        np.testing.assert_array_equal(w, bf16_weights[name], err_msg=name)
+    head = packed_formats(LLM(model=str(MOE), max_model_len=256, quantization="wint8", lm_head_fp32=True))
+    assert head["lm_head"] == head["model.embed_tokens.weight"] == "fp32"
+    assert {f for n, f in head.items() if ".experts." in n} == {"int8"}
 
 
 @pytest.mark.parametrize("quantization", ["wint8", "wint4"])
@@ -94,12 +109,13 @@ def teacher_forced(llm: LLM, seqs: list[list[int]], starts: list[int]) -> tuple[
     return tops, logprobs
 
 
-@pytest.mark.parametrize("quantization, min_agreement, max_dlogprob", [("wint8", 0.97, 0.015),
+@pytest.mark.parametrize("quantization, min_agreement, max_dlogprob", [(None, 0.99, 0.005), ("wint8", 0.97, 0.015),
                                                                         ("wint4", 0.93, 0.06)])
 def test_quantized_demo_model_keeps_greedy_choices(quantization, min_agreement, max_dlogprob):
+    """None: the stored bf16 weights with bf16 matmul inputs (dtype "auto"), against float32 compute."""
     prompts = ["The Python tutorial", "def main():", "import os\n", "A list is", "The sys module",
                "Exceptions are", "for i in range", "class Foo:"]
-    base = LLM(model=str(DEMO), max_model_len=256)
+    base = LLM(model=str(DEMO), max_model_len=256, dtype="float32")
     outs = base.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
     seqs = [o.prompt_token_ids + o.outputs.token_ids for o in outs]
     starts = [len(o.prompt_token_ids) for o in outs]

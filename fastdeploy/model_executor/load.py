@@ -14,7 +14,7 @@ A model may list `ignored_checkpoint_patterns` (regexes of tensors it does not u
 multi-token-prediction head) and mark parameters `optional_in_checkpoint` (kept at their initial
 value when the checkpoint lacks them, as transformers does). A model with a part that has its own
 loader (ERNIE-4.5-VL's vision encoder) names that part's tensors with `separately_loaded(name)`; they
-are left out of the plan, and `load_separately(checkpoint, quantization, available_bytes)` loads them
+are left out of the plan, and `load_separately(checkpoint, precision, available_bytes)` loads them
 once the rest is filled.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from fastdeploy.distributed.parallel_state import SINGLE, TPGroup, building_for
 from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.checkpoint import (  # noqa: F401 - re-exported
     Checkpoint, LazyArray, TensorInfo, bf16_bits_to_float32, read_safetensors_header)
-from fastdeploy.model_executor.layers.packed import WeightSlot, named_slots, packed_parameters
+from fastdeploy.model_executor.layers.packed import Precision, WeightSlot, named_slots, packed_parameters
 from fastdeploy.model_executor.memory_plan import check_fits
 from fastdeploy.model_executor.models.registry import get_model_class
 
@@ -184,19 +184,19 @@ def fill_weights(plan: LoadPlan, checkpoint: Checkpoint, progress: bool = True) 
             bar.update(checkpoint.nbytes(t.checkpoint_name))
 
 
-def load_weights(model: nn.Layer, checkpoint: Checkpoint, quantization: str | None = None,
+def load_weights(model: nn.Layer, checkpoint: Checkpoint, precision: Precision = Precision(),
                  available_bytes: int | None = None, tp_size: int = 1, progress: bool = True) -> str:
     """Plan, check the memory, allocate the packed weights and fill them; returns the layout ("hf" or
     "paddle"). `available_bytes` (default: what the host has available) is what the weights of all
     `tp_size` ranks may take."""
     plan = plan_loading(model, checkpoint)
     weights = packed_parameters(model)
-    check_fits(weights, quantization, tp_size, available_bytes)
+    check_fits(weights, precision, tp_size, available_bytes)
     for weight in weights:
-        weight.allocate(weight.format_for(quantization))
+        weight.allocate(precision.format_for(weight))
     fill_weights(plan, checkpoint, progress)
     if hasattr(model, "load_separately"):
-        model.load_separately(checkpoint, quantization, available_bytes)
+        model.load_separately(checkpoint, precision, available_bytes)
     return plan.layout
 
 
@@ -233,10 +233,11 @@ def _missing(model: nn.Layer, params: dict[str, Any], filled: dict[str, dict[str
 
 
 def load_model(config: ModelConfig, tp: TPGroup = SINGLE, quantization: str | None = None,
-               available_bytes: int | None = None) -> nn.Layer:
+               available_bytes: int | None = None, dtype: str = "auto", lm_head_fp32: bool = False) -> nn.Layer:
     """Build the model for `config.architectures` (this rank's shard of it when `tp` has several
-    ranks) with its weights packed as `quantization` says (None, "wint8", "wint4"; validated by
-    EngineConfig), fill it from the checkpoint, and put it in eval mode. Raises ValueError before
+    ranks) with its weights packed as `quantization` (None, "wint8", "wint4"), `dtype` and `lm_head_fp32`
+    say (layers/packed.py's Precision; validated by EngineConfig), fill it from the checkpoint, and put it
+    in eval mode. Raises ValueError before
     anything large is allocated when the weights would not fit in `available_bytes` (default: the
     host's available memory)."""
     model_class = get_model_class(config.architectures)
@@ -246,7 +247,8 @@ def load_model(config: ModelConfig, tp: TPGroup = SINGLE, quantization: str | No
     # U16 holds raw 16-bit floats: which kind is only written in the config.
     u16 = "float16" if config.dtype == "float16" else "bfloat16"
     with Checkpoint(config.model_path, u16_dtype=u16) as checkpoint:
-        layout = load_weights(model, checkpoint, quantization, available_bytes, tp.size, progress=tp.rank == 0)
+        precision = Precision(quantization, dtype, lm_head_fp32)
+        layout = load_weights(model, checkpoint, precision, available_bytes, tp.size, progress=tp.rank == 0)
     model.eval()
     logger.info("loaded %s (%s layout, %d tensors) from %s in %.2f s", model_class.__name__, layout,
                 len(checkpoint.tensors), config.model_path, time.perf_counter() - start)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 
-from fastdeploy.model_executor.layers.packed import PackedParameter
+from fastdeploy.model_executor.layers.packed import PackedParameter, Precision
 
 logger = logging.getLogger(__name__)
 
@@ -41,31 +42,33 @@ def resident_bytes(pid: int | None = None) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def weights_bytes(weights: Sequence[PackedParameter], quantization: str | None) -> int:
-    return sum(w.nbytes_for(w.format_for(quantization)) for w in weights)
+def weights_bytes(weights: Sequence[PackedParameter], precision: Precision) -> int:
+    return sum(w.nbytes_for(precision.format_for(w)) for w in weights)
 
 
-def _describe(quantization: str | None, weights: Sequence[PackedParameter]) -> str:
-    if quantization is not None:
-        return f"quantization={quantization!r}"
-    formats = sorted({w.format_for(None) for w in weights if w.role != "router"})
-    return f"no quantization ({'/'.join(formats)} as stored)"
+def _describe(precision: Precision, weights: Sequence[PackedParameter]) -> str:
+    if precision.quantization is not None or precision.dtype != "auto":
+        return precision.describe()
+    formats = sorted({precision.format_for(w) for w in weights if w.role != "router"})
+    return f"{precision.describe()} ({'/'.join(formats)} as stored)"
 
 
-def check_fits(weights: Sequence[PackedParameter], quantization: str | None, tp_size: int = 1,
+def check_fits(weights: Sequence[PackedParameter], precision: Precision, tp_size: int = 1,
                available_bytes: int | None = None) -> int:
     """Bytes the packed weights of all `tp_size` ranks will take (this rank's times the rank count);
     raises ValueError when they and a runtime reserve exceed `available_bytes` (default: the host's
     available memory), naming the quantizations that would fit."""
     available = available_memory_bytes() if available_bytes is None else available_bytes
-    need = {q: weights_bytes(weights, q) * tp_size for q in QUANTIZATION_CHOICES}
-    if need[quantization] + RUNTIME_BYTES <= available:
-        logger.info("packed weights will take %.2f GiB (%s); %.1f GiB available", need[quantization] / GIB,
-                    _describe(quantization, weights), available / GIB)
-        return need[quantization]
-    fits = [f"{_describe(q, weights)} needs ~{need[q] / GIB:.1f} GiB" for q in QUANTIZATION_CHOICES
-            if q != quantization and need[q] + RUNTIME_BYTES <= available and need[q] < need[quantization]]
+    options = {q: replace(precision, quantization=q) for q in QUANTIZATION_CHOICES}
+    need = {q: weights_bytes(weights, p) * tp_size for q, p in options.items()}
+    mine = precision.quantization
+    if need[mine] + RUNTIME_BYTES <= available:
+        logger.info("packed weights will take %.2f GiB (%s); %.1f GiB available", need[mine] / GIB,
+                    _describe(precision, weights), available / GIB)
+        return need[mine]
+    fits = [f"{_describe(options[q], weights)} needs ~{need[q] / GIB:.1f} GiB" for q in QUANTIZATION_CHOICES
+            if q != mine and need[q] + RUNTIME_BYTES <= available and need[q] < need[mine]]
     advice = "; ".join(fits) if fits else "no supported quantization fits either"
-    raise ValueError(f"the model's weights need ~{need[quantization] / GIB:.1f} GiB with "
-                     f"{_describe(quantization, weights)}, plus ~{RUNTIME_BYTES / GIB:.0f} GiB to run, and "
+    raise ValueError(f"the model's weights need ~{need[mine] / GIB:.1f} GiB with "
+                     f"{_describe(precision, weights)}, plus ~{RUNTIME_BYTES / GIB:.0f} GiB to run, and "
                      f"{available / GIB:.1f} GiB is available; {advice}")

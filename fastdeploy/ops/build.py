@@ -38,7 +38,7 @@ LIB_NAME = "fastdeploy_cpu_ops"
 # where intended and are identical across the AVX2 and AVX-512 builds. -g0 overrides setuptools' -g.
 CXX_FLAGS = ["-O3", "-g0", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-w"]
 LD_FLAGS = ["-fopenmp"]
-ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512"}
+ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
 
 
 @dataclass(slots=True)
@@ -189,9 +189,10 @@ def set_num_threads(n: int) -> None:
 
 
 def set_isa(name: str) -> str:
-    """Choose the kernels' instruction set: 'best', 'avx512' or 'avx2' (lowered to what the CPU has).
+    """Choose the kernels' instruction set: 'best', 'avx512_bf16', 'avx512' or 'avx2' (lowered to what the
+    CPU has; 'avx512' is AVX-512 without its bf16 dot product).
     Returns the one now active. Meant for tests and benchmarks of the fallback paths."""
-    levels = {"best": -1, "avx2": 1, "avx512": 2}
+    levels = {"best": -1, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
     if name not in levels:
         raise ValueError(f"isa must be one of {sorted(levels)}, got {name!r}")
     lib = library()

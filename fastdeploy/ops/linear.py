@@ -1,6 +1,8 @@
 """Weight-only linear y = x @ W with W packed by `fastdeploy.ops.pack.pack_weight`.
 
-fp32 and bf16 weights are computed in float32 with one FMA chain per output. For int8 and int4 the
+fp32 weights are computed in float32 with one FMA chain per output; bf16 weights take the activations
+rounded to bf16 (as a GPU's bf16 GEMM) and accumulate in float32 (AVX512_BF16's dot product where the CPU
+has it, the same bits from FMAs elsewhere). For int8 and int4 the
 activations are quantized per row per 32-k block to int8 (like llama.cpp's Q8_0) and multiplied with
 exact int32 VNNI dot products; the blocks' sums are then scaled and added in float32. Either way a
 row's result does not depend on the other rows in the batch (same bits for T = 1 and T = 2048).
@@ -15,12 +17,14 @@ from fastdeploy.ops.quant import FORMATS, PackedWeight, quantize_activations_ref
 
 def weight_only_linear_reference(x: paddle.Tensor, weight: PackedWeight, quantize_activations: bool = True
                                  ) -> paddle.Tensor:
-    """Pure Paddle. x [..., K] float32 -> [..., N]. For int8/int4, `quantize_activations` reproduces the
-    kernels' activation rounding (False gives the plain dequantized-weight product)."""
+    """Pure Paddle. x [..., K] float32 -> [..., N]. `quantize_activations` reproduces the kernels' activation
+    rounding (int8/int4: per 32-k block; bf16: to bf16); False gives the plain dequantized-weight product."""
     lead = list(x.shape[:-1])
     x2 = x.reshape([-1, weight.k])
     if weight.fmt in ("int8", "int4") and quantize_activations:
         y = paddle.matmul(quantize_activations_reference(x2, weight.k_padded), unpack_weight(weight, padded=True))
+    elif weight.fmt == "bf16" and quantize_activations:
+        y = paddle.matmul(x2.astype("bfloat16").astype("float32"), unpack_weight(weight))
     else:
         y = paddle.matmul(x2, unpack_weight(weight))
     return y.reshape(lead + [weight.n])
@@ -45,6 +49,8 @@ def weight_only_linear(x: paddle.Tensor, weight: PackedWeight, *, use_compiled: 
             weight.dense_cache = unpack_weight(weight, padded=True)
         if weight.fmt in ("int8", "int4"):
             x2 = quantize_activations_reference(x2, weight.k_padded)
+        elif weight.fmt == "bf16":
+            x2 = x2.astype("bfloat16").astype("float32")
         y = paddle.matmul(x2, weight.dense_cache)
     else:
         if not x2.is_contiguous():

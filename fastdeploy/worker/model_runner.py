@@ -139,7 +139,8 @@ class ModelRunner:
             # Stops the workers when this runner is garbage-collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
-            self.model = load_model(mc, self.tp, config.quantization)
+            self.model = load_model(mc, self.tp, config.quantization, dtype=config.dtype,
+                                    lm_head_fp32=config.lm_head_fp32)
             ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
             self._ask_workers()  # loaded
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)

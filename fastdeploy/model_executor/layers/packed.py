@@ -1,21 +1,24 @@
 """Weights that only ever exist packed (`ops.PackedWeight`), never as a float32 parameter.
 
 A `PackedParameter` is a destination: this rank's [k, n] matrix (or E stacked experts' matrices), its
-format chosen once the checkpoint's dtypes are known (`format_for`), allocated without being touched
+format chosen once the checkpoint's dtypes are known (`Precision.format_for`), allocated without being touched
 (`allocate`), then filled column range by column range straight from the memory-mapped checkpoint
 (`fill`). A `WeightSlot` is what one checkpoint tensor fills: the unsharded shape it must have and the
 loader that slices this rank's share into its destination. load.py finds slots by name, like
 parameters, so the checkpoint naming rules (prefixes, fused/unfused parts, orientation) stay in one place.
 
-Formats: without quantization a weight keeps its checkpoint precision (bf16 when every tensor that
-fills it is stored bf16, which packs exactly; fp32 otherwise). `quantization="wint8"` packs linear
+Formats (`Precision.format_for`): without quantization a weight keeps its checkpoint precision under
+dtype "auto" (bf16 when every tensor that fills it is stored bf16, which packs exactly; fp32 otherwise),
+or is held as dtype "bfloat16" / "float32" says. bf16 weights are multiplied with bf16-rounded
+activations, fp32 ones in float32 (fastdeploy/ops/linear.py). `quantization="wint8"` packs linear
 layers as int8 per output channel, `"wint4"` as int4 per 128 inputs; the embedding / LM head table is
 int8 under both (its logits decide every token, and llama.cpp keeps it above 4 bits for the same
-reason); MoE routers are never quantized.
+reason) unless `lm_head_fp32`; MoE routers are always float32, so routing is computed in float32.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +29,34 @@ from fastdeploy.ops.quant import PackedWeight, packed_shapes
 
 QUANTIZED_FORMATS = {"wint8": "int8", "wint4": "int4"}
 ROLES = ("linear", "router", "table")  # table: the embedding / LM head matrix
+DTYPES = ("auto", "bfloat16", "float32")
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """How the packed weights are held: `quantization` (None, "wint8", "wint4") for the linear layers,
+    `dtype` for the unquantized ones, the embedding / LM head table in float32 when `lm_head_fp32`."""
+
+    quantization: str | None = None
+    dtype: str = "auto"
+    lm_head_fp32: bool = False
+
+    def format_for(self, weight: PackedParameter) -> str:
+        if weight.role == "router" or (weight.role == "table" and self.lm_head_fp32):
+            return "fp32"
+        if self.quantization is not None:
+            return "int8" if weight.role == "table" else QUANTIZED_FORMATS[self.quantization]
+        if self.dtype == "auto":
+            return "bf16" if weight.stored_kinds == {"bf16"} else "fp32"
+        return "bf16" if self.dtype == "bfloat16" else "fp32"
+
+    def describe(self) -> str:
+        parts = [f"quantization={self.quantization!r}" if self.quantization else "no quantization"]
+        if self.dtype != "auto":
+            parts.append(f"dtype={self.dtype!r}")
+        if self.lm_head_fp32:
+            parts.append("lm_head_fp32")
+        return ", ".join(parts)
 
 
 class PackedParameter:
@@ -39,11 +70,6 @@ class PackedParameter:
         self.k, self.n, self.experts, self.role = k, n, experts, role
         self.stored_kinds: set[str] = set()  # how the checkpoint stores what fills it ("bf16", "f16bits", "float")
         self.value: PackedWeight | None = None
-
-    def format_for(self, quantization: str | None) -> str:
-        if quantization is not None and self.role != "router":
-            return "int8" if self.role == "table" else QUANTIZED_FORMATS[quantization]
-        return "bf16" if self.stored_kinds == {"bf16"} else "fp32"
 
     def nbytes_for(self, fmt: str) -> int:
         """Bytes the packed weight will take in `fmt` (computed, nothing allocated)."""

@@ -28,6 +28,7 @@ from paddle import nn
 
 from fastdeploy.model_executor.checkpoint import Checkpoint
 from fastdeploy.model_executor.layers.moe_multimodal import ModalitySplit, MultimodalMoE
+from fastdeploy.model_executor.layers.packed import Precision
 from fastdeploy.model_executor.layers.rotary import CosSin
 from fastdeploy.model_executor.model_config import CONFIG_FILE, ModelConfig
 from fastdeploy.model_executor.models.decoder import dense_mlp
@@ -87,14 +88,14 @@ class Ernie4_5_VLMoeForConditionalGeneration(Ernie4_5ForCausalLM):
     def separately_loaded(checkpoint_name: str) -> bool:
         return checkpoint_name.startswith(VISION_PREFIXES)
 
-    def load_separately(self, checkpoint: Checkpoint, quantization: str | None, available_bytes: int | None) -> None:
-        """The vision encoder's tensors: as stored (bf16) for an unquantized model, int8 under wint8 and
-        wint4 alike. The tower is compute-bound (a 448x448 image is 1024 patch rows), where the int8 GEMM
-        runs ~3x the bf16 one; int4 would be no faster there and costs accuracy for ~0.3 GB."""
-        vision_quantization = None if quantization is None else "wint8"
-        layout = self.vision_encoder.load_weights(checkpoint, vision_quantization, available_bytes)
+    def load_separately(self, checkpoint: Checkpoint, precision: Precision, available_bytes: int | None) -> None:
+        """The vision encoder's tensors: as the text model's `dtype` says for an unquantized model, int8
+        under wint8 and wint4 alike. The tower is compute-bound (a 448x448 image is 1024 patch rows), where
+        the int8 GEMM runs ~2x the bf16 one; int4 would be no faster there and costs accuracy for ~0.3 GB."""
+        vision = Precision(None if precision.quantization is None else "wint8", precision.dtype)
+        layout = self.vision_encoder.load_weights(checkpoint, vision, available_bytes)
         self.vision_encoder.eval()
-        logger.info("loaded the vision encoder (%s layout, %s)", layout, vision_quantization or "unquantized")
+        logger.info("loaded the vision encoder (%s layout, %s)", layout, vision.describe())
 
     # ---- forward ----
     def encode_vision(self, pixel_values: paddle.Tensor, grid_thw: Grid) -> paddle.Tensor:

@@ -36,7 +36,7 @@ from fastdeploy import ops
 from fastdeploy.model_executor.checkpoint import Checkpoint
 from fastdeploy.model_executor.layers.linear import Linear, default_weight_loader
 from fastdeploy.model_executor.layers.norm import RMSNorm
-from fastdeploy.model_executor.layers.packed import WeightSlot, packed_parameters
+from fastdeploy.model_executor.layers.packed import Precision, WeightSlot, packed_parameters
 from fastdeploy.model_executor.load import loadable
 from fastdeploy.model_executor.memory_plan import check_fits
 from fastdeploy.model_executor.model_config import CONFIG_FILE, FieldReader
@@ -280,23 +280,23 @@ class Ernie4_5_VLVisionEncoder(nn.Layer):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike[str], quantization: str | None = None,
-                        available_bytes: int | None = None) -> Ernie4_5_VLVisionEncoder:
+                        available_bytes: int | None = None, dtype: str = "auto") -> Ernie4_5_VLVisionEncoder:
         """Build from the checkpoint's config.json and load its vision and resampler tensors."""
         start = time.perf_counter()
         file = os.path.join(model_dir, CONFIG_FILE)
         with open(file, encoding="utf-8") as f:
             raw = json.load(f)
         encoder = cls(VisionConfig.from_hf_config(raw, file))
-        dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "").removeprefix("torch.")
-        u16 = "float16" if dtype in ("float16", "fp16", "half") else "bfloat16"  # what raw U16 tensors hold
+        stored = str(raw.get("dtype") or raw.get("torch_dtype") or "").removeprefix("torch.")
+        u16 = "float16" if stored in ("float16", "fp16", "half") else "bfloat16"  # what raw U16 tensors hold
         with Checkpoint(str(model_dir), u16_dtype=u16) as checkpoint:
-            layout = encoder.load_weights(checkpoint, quantization, available_bytes)
+            layout = encoder.load_weights(checkpoint, Precision(quantization, dtype), available_bytes)
         encoder.eval()
         logger.info("loaded the ERNIE-4.5-VL vision encoder (%s layout) from %s in %.2f s", layout, model_dir,
                     time.perf_counter() - start)
         return encoder
 
-    def load_weights(self, checkpoint: Checkpoint, quantization: str | None = None,
+    def load_weights(self, checkpoint: Checkpoint, precision: Precision = Precision(),
                      available_bytes: int | None = None) -> str:
         """Fill every weight from `checkpoint` (its other tensors are not read); returns the layout of the
         linear weights, "hf" ([out, in]) or "paddle" ([in, out])."""
@@ -315,9 +315,9 @@ class Ernie4_5_VLVisionEncoder(nn.Layer):
             if isinstance(param, WeightSlot):
                 param.target.stored_kinds.add(checkpoint.kind(names[name]))
         weights = packed_parameters(self)
-        check_fits(weights, quantization, available_bytes=available_bytes)
+        check_fits(weights, precision, available_bytes=available_bytes)
         for weight in weights:
-            weight.allocate(weight.format_for(quantization))
+            weight.allocate(precision.format_for(weight))
         where = {name: checkpoint.tensors[names[name]] for name in params}
         order = sorted(params, key=lambda name: (where[name].file, where[name].offset))  # file order
         for i, name in enumerate(order):
