@@ -35,7 +35,7 @@ struct StepLayer {
   int64_t num_experts, expert_start, local_experts, top_k;
   float norm_min;
   int32_t renormalize;
-  float* kv_cache;  // [2, S, KVH, D]
+  void* kv_cache;  // [2, S, KVH, D], float32 or bf16 (StepModel::cache_bf16)
 };
 
 struct StepModel {
@@ -49,6 +49,7 @@ struct StepModel {
   const float* cos_table;  // [max_positions, D / 2]: row p is ops.rotary_cos_sin of position p
   const float* sin_table;
   int64_t max_positions;
+  int32_t cache_bf16;
 };
 
 struct StepBatch {
@@ -159,7 +160,8 @@ void attention_block(const KernelTable& kt, const StepModel& m, const StepLayer&
   kt.rotary(b.q, b.k, b.cos, b.sin, T, m.heads, m.kv_heads, D, m.interleaved != 0);
   clock.mark(kRope);
   kt.attention(AttentionArgs{b.q, b.k, b.v, L.kv_cache, s.slots, s.q_start, s.ctx_lens, s.blocks, b.attn, T, s.B,
-                             m.heads, m.kv_heads, D, m.cache_slots, s.max_blocks, m.block_size, m.attn_scale});
+                             m.heads, m.kv_heads, D, m.cache_slots, s.max_blocks, m.block_size, m.attn_scale,
+                             true, m.cache_bf16 != 0});
   clock.mark(kAttention);
   linear(kt, b.attn, L.o, L.o_bias, b.y, T);
   clock.mark(kOut);

@@ -50,7 +50,8 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   check_f32(q, "q");
   check_f32(k, "k");
   check_f32(v, "v");
-  check_f32(kv_cache, "kv_cache");
+  const bool cache_bf16 = kv_cache.dtype() == paddle::DataType::BFLOAT16;
+  PD_CHECK(cache_bf16 || kv_cache.dtype() == paddle::DataType::FLOAT32, "kv_cache must be float32 or bfloat16");
   const Shape qs = q.shape(), ks = k.shape(), cs = kv_cache.shape(), bs = block_tables.shape();
   PD_CHECK(qs.size() == 3, "q must be [T, H, D]");
   PD_CHECK(ks.size() == 3 && ks[0] == qs[0] && ks[2] == qs[2], "k must be [T, KVH, D] with q's T and D");
@@ -78,8 +79,9 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
     }
   }
   auto out = paddle::empty({T, H * D}, paddle::DataType::FLOAT32, q.place());
-  fd::AttentionArgs a{q.data<float>(), k.data<float>(), v.data<float>(), kv_cache.data<float>(), slots.p, qsl.p,
-                      ctx.p, table.p, out.data<float>(), T, B, H, KVH, D, S, MB, block_size, scale, causal};
+  fd::AttentionArgs a{q.data<float>(), k.data<float>(), v.data<float>(), kv_cache.data(), slots.p, qsl.p,
+                      ctx.p, table.p, out.data<float>(), T, B, H, KVH, D, S, MB, block_size, scale, causal,
+                      cache_bf16};
   if (T > 0) kernels().attention(a);
   return {out};
 }

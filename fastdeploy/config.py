@@ -229,5 +229,14 @@ class EngineConfig:
             raise ValueError(f"mm_processor_kwargs must be a dict, got {self.mm_processor_kwargs!r}")
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's element type: the model's compute precision (bfloat16 for a bf16 checkpoint or
+        dtype="bfloat16", float32 under dtype="float32" or for a float32 / float16 checkpoint), as
+        FastDeploy keeps the cache in the model's dtype."""
+        if self.dtype == "bfloat16" or (self.dtype == "auto" and self.model_config.dtype == "bfloat16"):
+            return "bfloat16"
+        return "float32"
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)

@@ -62,8 +62,10 @@ def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> Non
     cfg = model.config
     assert unsupported_reason(model) is None
 
+    kv_dtype = "float32" if quantization is None else "bfloat16"  # both cache kinds over the grid
+
     def caches() -> list[paddle.Tensor]:
-        out = allocate_kv_caches(cfg.num_hidden_layers, 12, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+        out = allocate_kv_caches(cfg.num_hidden_layers, 12, BLOCK, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
         for c in out:
             c.fill_(0.0)
         return out
@@ -79,7 +81,8 @@ def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> Non
             continue
         np.testing.assert_array_equal(got.numpy(), expected.numpy(), err_msg=f"step {i} logits")
     for layer, (a, b) in enumerate(zip(layer_caches, compiled_caches)):
-        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=f"layer {layer} KV cache")
+        np.testing.assert_array_equal(a.astype("float32").numpy(), b.astype("float32").numpy(),
+                                      err_msg=f"layer {layer} KV cache")
 
 
 def test_multimodal_steps_run_compiled_only_without_vision_rows() -> None:

@@ -50,12 +50,12 @@ def generate_prompt(case: dict) -> dict | str:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0)
+    return LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0, dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def chunked() -> LLM:
-    return LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0,
+    return LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0, dtype="float32",
                enable_chunked_prefill=True, max_num_batched_tokens=14, enable_prefix_caching=True, block_size=8,
                limit_mm_per_prompt={"image": 1})
 
@@ -89,7 +89,7 @@ def test_chunked_prefill_through_images_and_prefix_caching_per_image(chunked):
         assert out.outputs.token_ids == case["output_token_ids"], case["name"]
     one = next(c for c in CASES if c["name"] == "one_image")
     other = {"prompt": one["prompt"], "multimodal_data": {"image": [checker_image(64, 48, 12)]}}
-    alone = LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=64, use_warmup=0)
+    alone = LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=64, use_warmup=0, dtype="float32")
     expected = alone.generate(other, GREEDY, use_tqdm=False)[0].outputs.token_ids
     assert expected != one["output_token_ids"]
     got = chunked.generate(other, GREEDY, use_tqdm=False)[0]
@@ -125,8 +125,8 @@ def test_the_documented_generate_example_with_ernie_bot_tokenizer(llm):
 
 def test_reasoning_parser_ernie_45_vl(tmp_path):
     """reasoning_parser="ernie-45-vl" on an image chat: thinking off puts the whole text in the answer."""
-    vl = LLM(model=str(VL), max_model_len=256, num_gpu_blocks_override=32, use_warmup=0, enable_mm=True,
-             reasoning_parser="ernie-45-vl")
+    vl = LLM(model=str(VL), max_model_len=256, num_gpu_blocks_override=32, use_warmup=0, dtype="float32",
+             enable_mm=True, reasoning_parser="ernie-45-vl")
     case = next(c for c in CASES if c["name"] == "one_image")
     out = vl.chat(messages(case), GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})[0]
     assert out.outputs.token_ids == case["output_token_ids"]
@@ -152,7 +152,7 @@ def test_mm_processor_kwargs(llm):
     """image_max_pixels shrinks the image's tokens; unknown keys are refused by name."""
     from fastdeploy.input.ernie4_5_vl_processor import MediaProcessor
 
-    small = LLM(model=str(VL), max_model_len=512, num_gpu_blocks_override=64, use_warmup=0,
+    small = LLM(model=str(VL), max_model_len=512, num_gpu_blocks_override=64, use_warmup=0, dtype="float32",
                 mm_processor_kwargs={"image_max_pixels": 56 * 56})
     big = {"prompt": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>", "multimodal_data": {
         "image": [gradient_image(280, 280)]}}
@@ -204,7 +204,7 @@ def test_baidu_placeholders_and_the_image_part_form(llm):
 
 @pytest.fixture(scope="module")
 def uncached() -> LLM:
-    return LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0,
+    return LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0, dtype="float32",
                enable_chunked_prefill=True, max_num_batched_tokens=14, enable_prefix_caching=False)
 
 

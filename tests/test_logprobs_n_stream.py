@@ -19,11 +19,13 @@ def llm(tiny_hf):
 
 
 def full_logits(llm, tokens):
-    """Logits at every position from one plain forward of the whole sequence in a fresh cache."""
+    """Logits at every position from one plain forward of the whole sequence in a fresh cache (of the
+    engine's KV dtype)."""
     model = llm.engine.runner.model
     mc = llm.config.model_config
     blocks = -(-len(tokens) // 16)
-    caches = allocate_kv_caches(mc.num_hidden_layers, blocks, 16, mc.num_key_value_heads, mc.head_dim)
+    caches = allocate_kv_caches(mc.num_hidden_layers, blocks, 16, mc.num_key_value_heads, mc.head_dim,
+                                llm.config.kv_cache_dtype)
     ctx = build_forward_context([len(tokens)], [len(tokens)], [list(range(blocks))], 16, caches)
     with paddle.no_grad(), forward_context(ctx):
         hidden = model(paddle.to_tensor(tokens, dtype="int64"), paddle.arange(len(tokens), dtype="int64"))

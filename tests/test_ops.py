@@ -7,6 +7,7 @@ thread count or the instruction set: those are asserted bit for bit.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -73,8 +74,8 @@ def make_batch(rng, heads, kv_heads, head_dim, block_size, query_lens, context_l
         block_size=block_size, scale=head_dim ** -0.5)
 
 
-def run_attention(batch, fn=ops.paged_attention):
-    cache = tensor(batch["cache"])
+def run_attention(batch, fn=ops.paged_attention, cache_dtype="float32"):
+    cache = tensor(batch["cache"]).astype(cache_dtype)
     out = fn(tensor(batch["q"]), tensor(batch["k"]), tensor(batch["v"]), cache, *map(tensor, batch["meta"]),
              batch["block_size"], batch["scale"])
     return out, cache
@@ -91,15 +92,18 @@ ATTENTION_CASES = [
 ]
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", ATTENTION_CASES)
-def test_paged_attention_matches_reference(isa, case):
+def test_paged_attention_matches_reference(isa, case, cache_dtype):
+    """A bf16 cache holds the new K/V rounded to nearest even, as Paddle's cast rounds them."""
     rng = np.random.default_rng(len(case[4]) * 7 + case[2])
     batch = make_batch(rng, *case, index_dtype="int32" if case[3] == 16 else "int64")
-    out, cache = run_attention(batch)
-    ref, ref_cache = run_attention(batch, ops.paged_attention_reference)
+    out, cache = run_attention(batch, cache_dtype=cache_dtype)
+    ref, ref_cache = run_attention(batch, ops.paged_attention_reference, cache_dtype)
     assert out.shape == [sum(case[4]), case[0] * case[2]]
     assert_close(out, ref, 1e-5)
-    np.testing.assert_array_equal(cache.numpy(), ref_cache.numpy())  # the same K/V written to the same slots
+    # the same K/V written to the same slots
+    np.testing.assert_array_equal(cache.astype("float32").numpy(), ref_cache.astype("float32").numpy())
 
 
 def test_paged_attention_skips_negative_slots():
@@ -112,24 +116,26 @@ def test_paged_attention_skips_negative_slots():
     assert_close(out, ref, 1e-5)
 
 
-def test_paged_attention_output_does_not_depend_on_the_batch():
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_paged_attention_output_does_not_depend_on_the_batch(cache_dtype):
     """Each request alone, its prefill split into two chunks, 1 or 2 threads: the same bits."""
     rng = np.random.default_rng(5)
     batch = make_batch(rng, 16, 2, 128, 16, [1, 40, 1, 3], [77, 40, 16, 50])
-    together, _ = run_attention(batch)
+    run = functools.partial(run_attention, cache_dtype=cache_dtype)
+    together, _ = run(batch)
     starts = batch["meta"][1]
     for b in range(4):
         lo, hi = int(starts[b]), int(starts[b + 1])
         alone = dict(batch, q=batch["q"][lo:hi], k=batch["k"][lo:hi], v=batch["v"][lo:hi],
                      meta=[batch["meta"][0][lo:hi], np.array([0, hi - lo]), batch["meta"][2][b:b + 1],
                            batch["meta"][3][b:b + 1]])
-        out, _ = run_attention(alone)
+        out, _ = run(alone)
         np.testing.assert_array_equal(out.numpy(), together.numpy()[lo:hi])
     # request 1's 40-token prefill as chunks of 25 then 15 (the second sees the first's K/V in the cache)
     lo = int(starts[1])
     first = dict(batch, q=batch["q"][lo:lo + 25], k=batch["k"][lo:lo + 25], v=batch["v"][lo:lo + 25],
                  meta=[batch["meta"][0][lo:lo + 25], np.array([0, 25]), np.array([25]), batch["meta"][3][1:2]])
-    cache = tensor(batch["cache"])
+    cache = tensor(batch["cache"]).astype(cache_dtype)
     out1 = ops.paged_attention(*(tensor(first[n]) for n in "qkv"), cache, *map(tensor, first["meta"]),
                                16, batch["scale"])
     out2 = ops.paged_attention(*(tensor(batch[n][lo + 25:lo + 40]) for n in "qkv"), cache,
@@ -138,7 +144,7 @@ def test_paged_attention_output_does_not_depend_on_the_batch():
     np.testing.assert_array_equal(np.concatenate([out1.numpy(), out2.numpy()]), together.numpy()[lo:lo + 40])
     ops.set_num_threads(1)
     try:
-        single, _ = run_attention(batch)
+        single, _ = run(batch)
     finally:
         ops.set_num_threads(0)
     np.testing.assert_array_equal(single.numpy(), together.numpy())

@@ -4,6 +4,7 @@ choices (teacher-forced against the float32 model's own continuation)."""
 from pathlib import Path
 
 import numpy as np
+import paddle
 import pytest
 
 from conftest import FIXTURES, TINY_HF
@@ -59,8 +60,12 @@ def test_dtype_and_lm_head_fp32_choose_the_formats():
     as_stored = packed_formats(LLM(model=str(MOE), max_model_len=256))
     fp32 = LLM(model=str(MOE), max_model_len=256, dtype="float32")
     assert set(packed_formats(fp32).values()) == {"fp32"}
+    assert fp32.engine.runner.kv_caches[0].dtype == paddle.float32  # the KV cache in the compute precision
     assert {f for n, f in as_stored.items() if not n.endswith("mlp.gate.weight")} == {"bf16"}  # stored bf16
-    assert packed_formats(LLM(model=str(MOE), max_model_len=256, dtype="bf16")) == as_stored
+    bf16 = LLM(model=str(MOE), max_model_len=256, dtype="bf16")
+    assert packed_formats(bf16) == as_stored
+    assert bf16.engine.runner.kv_caches[0].dtype == paddle.bfloat16
+    assert bf16.engine.runner._kv_block_bytes() * 2 == fp32.engine.runner._kv_block_bytes()
     # float32 holds the stored bf16 values exactly
     bf16_weights = named_weights(LLM(model=str(MOE), max_model_len=256).engine.runner.model)
     for name, w in named_weights(fp32.engine.runner.model).items():

@@ -49,10 +49,11 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int) -> list[paddle.Tensor]:
+                       head_dim: int, dtype: str = "float32") -> list[paddle.Tensor]:
+    """One [2, slots, kv heads, head_dim] cache per layer, `dtype` "float32" or "bfloat16"."""
     shape = [2, num_blocks * block_size, num_kv_heads, head_dim]
     # Left uninitialised: attention reads only slots written earlier, and untouched pages cost no RAM.
-    return [paddle.empty(shape, dtype="float32") for _ in range(num_layers)]
+    return [paddle.empty(shape, dtype=dtype) for _ in range(num_layers)]
 
 
 def attention_metadata(query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],

@@ -62,7 +62,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     use_bias: bool = False
     hidden_act: str = "silu"
-    dtype: str = "float32"  # what the checkpoint stores; the CPU math is float32 regardless
+    dtype: str = "float32"  # what the checkpoint stores (EngineConfig.dtype "auto" follows it)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None

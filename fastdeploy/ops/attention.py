@@ -32,8 +32,15 @@ def paged_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tens
     keep = np.nonzero(slots >= 0)[0]
     if len(keep):
         index, rows = paddle.to_tensor(slots[keep]), paddle.to_tensor(keep)
-        kv_cache[0].scatter_(index, paddle.gather(k, rows), overwrite=True)
-        kv_cache[1].scatter_(index, paddle.gather(v, rows), overwrite=True)
+        new_k, new_v = paddle.gather(k, rows), paddle.gather(v, rows)
+        cache = kv_cache
+        if kv_cache.dtype == paddle.bfloat16:
+            # Rounded to nearest even (Paddle's cast), as the kernel stores them; scattered as int32 pairs of
+            # bf16 (Paddle's CPU scatter has no 16-bit kernel; head_dim is even).
+            new_k, new_v = (x.astype("bfloat16").view("int32") for x in (new_k, new_v))
+            cache = kv_cache.view("int32")
+        cache[0].scatter_(index, new_k, overwrite=True)
+        cache[1].scatter_(index, new_v, overwrite=True)
     starts = query_start_loc.numpy().astype(np.int64)
     ctx_lens = context_lens.numpy().astype(np.int64)
     tables = block_tables.numpy().astype(np.int64)
@@ -44,8 +51,9 @@ def paged_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tens
             continue
         pos = np.arange(c)
         ctx_slots = paddle.to_tensor(tables[b, pos // block_size] * block_size + pos % block_size)
-        keys = paddle.repeat_interleave(paddle.gather(kv_cache[0], ctx_slots), h // kvh, axis=1)  # [c, H, D]
-        values = paddle.repeat_interleave(paddle.gather(kv_cache[1], ctx_slots), h // kvh, axis=1)
+        keys = paddle.repeat_interleave(paddle.gather(kv_cache[0], ctx_slots).astype("float32"), h // kvh,
+                                        axis=1)  # [c, H, D]
+        values = paddle.repeat_interleave(paddle.gather(kv_cache[1], ctx_slots).astype("float32"), h // kvh, axis=1)
         queries = q[int(starts[b]):int(starts[b + 1])].transpose([1, 0, 2])  # [H, n, D]
         scores = paddle.matmul(queries, keys.transpose([1, 2, 0])) * scale  # [H, n, c]
         q_pos = c - n + np.arange(n)
@@ -62,7 +70,8 @@ def paged_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, kv_cac
                     slot_mapping: paddle.Tensor, query_start_loc: paddle.Tensor, context_lens: paddle.Tensor,
                     block_tables: paddle.Tensor, block_size: int, scale: float, *,
                     use_compiled: bool = True) -> paddle.Tensor:
-    """q [T, H, D], k/v [T, KVH, D], kv_cache [2, num_blocks * block_size, KVH, D] (all float32);
+    """q [T, H, D], k/v [T, KVH, D] (float32), kv_cache [2, num_blocks * block_size, KVH, D] (float32 or
+    bfloat16: new keys and values are stored rounded to nearest even);
     slot_mapping [T], query_start_loc [B + 1], context_lens [B], block_tables [B, max_blocks] (int32 or
     int64). Writes k/v into kv_cache in place and returns the attention output [T, H * D]."""
     lib = compiled(use_compiled)

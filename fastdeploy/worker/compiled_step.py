@@ -59,7 +59,7 @@ class _Model(ctypes.Structure):
                 ("kv_heads", _i64), ("head_dim", _i64), ("max_ffn", _i64), ("max_top_k", _i64), ("cache_slots", _i64),
                 ("block_size", _i64), ("eps", _f32), ("attn_scale", _f32), ("interleaved", _i32),
                 ("embedding", _Weight), ("lm_head", _Weight), ("final_norm", _ptr), ("cos_table", _ptr),
-                ("sin_table", _ptr), ("max_positions", _i64)]
+                ("sin_table", _ptr), ("max_positions", _i64), ("cache_bf16", _i32)]
 
 
 class _Batch(ctypes.Structure):
@@ -150,7 +150,7 @@ class CompiledDecoder:
             attn_scale=attn.attn.scale, interleaved=decoder.rotary.interleaved,
             embedding=_weight(decoder.embed_tokens.weight.value), lm_head=_weight(model.lm_head.packed),
             final_norm=_address(decoder.norm.weight), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
-            max_positions=max_positions)
+            max_positions=max_positions, cache_bf16=int(kv_caches[0].dtype == paddle.bfloat16))
         self.vocab = model.lm_head.packed.n
         self._dll = ctypes.CDLL(str(lib.path))  # the library Paddle already loaded: same handle
         self._step = self._dll.fd_decoder_step

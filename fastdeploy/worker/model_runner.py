@@ -152,7 +152,8 @@ class ModelRunner:
             self.close()
             raise
         self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks, config.block_size,
-                                            kv_heads_per_rank(mc.num_key_value_heads, self.tp.size), mc.head_dim)
+                                            kv_heads_per_rank(mc.num_key_value_heads, self.tp.size), mc.head_dim,
+                                            config.kv_cache_dtype)
         self.compiled = (CompiledDecoder.build(self.model, self.kv_caches, config.block_size, config.max_model_len)
                          if self.workers is None else None)
 
@@ -181,7 +182,8 @@ class ModelRunner:
         """Bytes of one KV block over all ranks (they share this host's memory)."""
         mc = self.config.model_config
         heads = kv_heads_per_rank(mc.num_key_value_heads, self.tp.size) * self.tp.size
-        return 2 * mc.num_hidden_layers * self.config.block_size * heads * mc.head_dim * 4
+        element = 2 if self.config.kv_cache_dtype == "bfloat16" else 4
+        return 2 * mc.num_hidden_layers * self.config.block_size * heads * mc.head_dim * element
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

@@ -73,7 +73,8 @@ class Worker:
 
         mc = self.config.model_config
         self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, num_blocks, self.block_size,
-                                            kv_heads_per_rank(mc.num_key_value_heads, self.world_size), mc.head_dim)
+                                            kv_heads_per_rank(mc.num_key_value_heads, self.world_size), mc.head_dim,
+                                            self.config.kv_cache_dtype)
 
     def serve(self) -> None:
         from fastdeploy.worker.model_runner import VisionCache, run_step
