@@ -38,6 +38,10 @@ FD_INLINE VF vload_bf16(const uint16_t* p) {
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
 }
+// 16 bf16 widened in whatever lane order is cheapest here; vunshuffle_bf16 restores column order (for
+// lane-wise accumulators, once per output vector). Here: already in order.
+FD_INLINE VF vload_bf16_shuffled(const uint16_t* p) { return vload_bf16(p); }
+FD_INLINE VF vunshuffle_bf16(VF a) { return a; }
 FD_INLINE VF vadd(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
 FD_INLINE VF vsub(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
 FD_INLINE VF vmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -143,6 +147,17 @@ FD_INLINE __m256 bf16x8(__m128i w) {
 }
 FD_INLINE VF vload_bf16(const uint16_t* p) {
   return {bf16x8(_mm_loadu_si128((const __m128i*)p)), bf16x8(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+// 16 bf16 widened with one load and two ALU ops (vload_bf16 takes two loads and four): lo holds columns
+// 0, 2, .., 14 and hi columns 1, 3, .., 15; vunshuffle_bf16 puts lane-wise results back in column order.
+FD_INLINE VF vload_bf16_shuffled(const uint16_t* p) {
+  const __m256i w = _mm256_loadu_si256((const __m256i*)p);
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+FD_INLINE VF vunshuffle_bf16(VF a) {
+  const __m256 even_odd_lo = _mm256_unpacklo_ps(a.lo, a.hi), even_odd_hi = _mm256_unpackhi_ps(a.lo, a.hi);
+  return {_mm256_permute2f128_ps(even_odd_lo, even_odd_hi, 0x20), _mm256_permute2f128_ps(even_odd_lo, even_odd_hi, 0x31)};
 }
 #define FD_F2(op) {op(a.lo, b.lo), op(a.hi, b.hi)}
 FD_INLINE VF vadd(VF a, VF b) { return FD_F2(_mm256_add_ps); }
