@@ -2,9 +2,9 @@
 
 fp32 weights are computed in float32 with one FMA chain per output; bf16 weights take the activations
 rounded to bf16 (as a GPU's bf16 GEMM) and accumulate in float32 (AVX512_BF16's dot product where the CPU
-has it, the same bits from FMAs elsewhere). For int8 and int4 the
-activations are quantized per row per 32-k block to int8 (like llama.cpp's Q8_0) and multiplied with
-exact int32 VNNI dot products; the blocks' sums are then scaled and added in float32. Either way a
+has it, the same bits from FMAs elsewhere). For int8 and int4 the activations are quantized per row per
+32-k block to int8 (like llama.cpp's Q8_0) and multiplied with exact int32 VNNI dot products; the blocks'
+sums are then scaled and added in float32. Either way a
 row's result does not depend on the other rows in the batch (same bits for T = 1 and T = 2048).
 """
 from __future__ import annotations

@@ -29,7 +29,6 @@ from fastdeploy.ops.quant import PackedWeight, packed_shapes
 
 QUANTIZED_FORMATS = {"wint8": "int8", "wint4": "int4"}
 ROLES = ("linear", "router", "table")  # table: the embedding / LM head matrix
-DTYPES = ("auto", "bfloat16", "float32")
 
 
 @dataclass(frozen=True, slots=True)
