@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <chrono>
 #include <cstring>
+#include <vector>
 
 #include "fd_kernels.h"
 
@@ -62,6 +63,7 @@ struct StepBatch {
   const int64_t* logit_rows; // [R]
   float* logits;             // [R, vocab]
   int64_t T, B, max_blocks, R;
+  int64_t* argmax;           // [R] or nullptr: also each logit row's greedy token (the sampling op's argmax)
 };
 
 // Where a step's time goes (the benchmarks report the share outside the weight-streaming GEMMs). Keep in
@@ -260,6 +262,18 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
   kt.rms_norm(b.rows_y, b.rows_r, m.final_norm, b.rows_y, b.rows_r, s.R, H, m.eps);
   kt.linear(LinearArgs{b.rows_y, m.lm_head.w, m.lm_head.scales, s.logits, s.R, m.lm_head.K, m.lm_head.N,
                        m.lm_head.fmt});
+  if (s.argmax != nullptr) {
+    // Plain greedy rows (no bans or penalties: every id range empty), while the logits are still in cache.
+    std::vector<double> params(static_cast<size_t>(s.R * kSampleCols), 0.0);
+    for (int64_t r = 0; r < s.R; ++r) {
+      params[r * kSampleCols + kRepetition] = 1.0;
+      params[r * kSampleCols + kGreedy] = 1.0;
+    }
+    std::vector<int64_t> offsets(static_cast<size_t>(3 * s.R + 1), 0);
+    std::vector<float> tau(static_cast<size_t>(s.R));
+    kt.sample(SampleArgs{s.logits, offsets.data(), offsets.data(), params.data(), s.argmax, tau.data(), s.R,
+                         m.lm_head.N});
+  }
   clock.mark(kHead);
   return 0;
 }

@@ -85,6 +85,26 @@ def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> Non
                                       err_msg=f"layer {layer} KV cache")
 
 
+@pytest.mark.parametrize("quantization", [None, "wint4"])
+def test_greedy_tokens_inside_the_step_are_the_argmax_of_its_logits(quantization: str | None) -> None:
+    """forward_greedy (the runner's path for all-greedy steps) gives numpy's argmax of the logits forward
+    returns for the same batch (run twice: the second writes the same K/V to the same slots)."""
+    model = load_model(ModelConfig.from_pretrained(MODELS / "ernie45_moe_tiny_hf"), quantization=quantization)
+    cfg = model.config
+    kv = allocate_kv_caches(cfg.num_hidden_layers, 12, BLOCK, cfg.num_key_value_heads, cfg.head_dim, "bfloat16")
+    compiled = CompiledDecoder.build(model, kv, BLOCK, MAX_LEN)
+    checked = 0
+    for batch in schedule(cfg.vocab_size, seed=3):
+        logits = compiled.forward(batch)
+        tokens = compiled.forward_greedy(batch)
+        if logits is None:
+            assert tokens.shape == (0,)
+            continue
+        np.testing.assert_array_equal(tokens, np.argmax(logits.numpy(), axis=1))
+        checked += len(tokens)
+    assert checked > 0
+
+
 def test_multimodal_steps_run_compiled_only_without_vision_rows() -> None:
     """ERNIE-4.5-VL (whose text-only steps are checked above): a step of text tokens with 3-D positions
     (t = h = w) runs compiled on its 1-D positions; one with image tokens or unequal rows does not."""

@@ -65,7 +65,7 @@ class _Model(ctypes.Structure):
 class _Batch(ctypes.Structure):
     _fields_ = [("ids", _ptr), ("positions", _ptr), ("slots", _ptr), ("q_start", _ptr), ("ctx_lens", _ptr),
                 ("blocks", _ptr), ("logit_rows", _ptr), ("logits", _ptr), ("T", _i64), ("B", _i64),
-                ("max_blocks", _i64), ("R", _i64)]
+                ("max_blocks", _i64), ("R", _i64), ("argmax", _ptr)]
 
 
 def _address(t: paddle.Tensor | None) -> int | None:
@@ -152,6 +152,7 @@ class CompiledDecoder:
             final_norm=_address(decoder.norm.weight), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
             max_positions=max_positions, cache_bf16=int(kv_caches[0].dtype == paddle.bfloat16))
         self.vocab = model.lm_head.packed.n
+        self._scratch_logits = np.empty((0, self.vocab), dtype=np.float32)  # forward_greedy's logits
         self._dll = ctypes.CDLL(str(lib.path))  # the library Paddle already loaded: same handle
         self._step = self._dll.fd_decoder_step
         self._step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch), _ptr]
@@ -198,17 +199,32 @@ class CompiledDecoder:
     def forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
         """The batch's forward pass (writing its K/V into the cache): logits [R, vocab] of `logit_rows`,
         None when no row needs them. Only batches `covers` returned."""
+        rows = len(inputs.logit_rows)
+        logits = paddle.empty([rows, self.vocab], dtype="float32")
+        self._run(inputs, logits.data_ptr() if rows else None, None)
+        return logits if rows else None
+
+    def forward_greedy(self, inputs: ForwardBatch) -> np.ndarray:
+        """The forward pass and the greedy token of each logit row (the sampling op's argmax: first maximum,
+        first NaN), taken inside the same call while the logits are in cache; the logits themselves go to
+        a scratch buffer. For steps whose rows are all plain greedy."""
+        rows = len(inputs.logit_rows)
+        if self._scratch_logits.shape[0] < rows:
+            self._scratch_logits = np.empty((rows, self.vocab), dtype=np.float32)
+        tokens = np.empty(rows, dtype=np.int64)
+        self._run(inputs, self._scratch_logits.ctypes.data if rows else None, tokens.ctypes.data if rows else None)
+        return tokens
+
+    def _run(self, inputs: ForwardBatch, logits: int | None, argmax: int | None) -> None:
         slots, starts, ctx_lens, tables = attention_metadata(inputs.query_lens, inputs.context_lens,
                                                              inputs.block_tables, self._model.block_size)
         ids = np.ascontiguousarray(inputs.token_ids, dtype=np.int64)
         positions = np.ascontiguousarray(inputs.positions, dtype=np.int64)
         rows = np.ascontiguousarray(inputs.logit_rows, dtype=np.int64)
-        logits = paddle.empty([len(rows), self.vocab], dtype="float32")
         batch = _Batch(ids.ctypes.data, positions.ctypes.data, slots.ctypes.data, starts.ctypes.data,
-                       ctx_lens.ctypes.data, tables.ctypes.data, rows.ctypes.data,
-                       logits.data_ptr() if len(rows) else None, len(ids), len(ctx_lens), tables.shape[1], len(rows))
+                       ctx_lens.ctypes.data, tables.ctypes.data, rows.ctypes.data, logits, len(ids), len(ctx_lens),
+                       tables.shape[1], len(rows), argmax)
         rc = self._step(ctypes.byref(self._model), ctypes.byref(batch), self._workspace)
         if rc != 0:
             raise ValueError(f"fd_decoder_step rejected the batch (code {rc}): a token id, position or logit row "
                              f"is out of range")
-        return logits if len(rows) else None

@@ -214,6 +214,9 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, wait_for_masks: Callable[[], object] | None = None) -> ModelRunnerOutput:
         """Forward and sample the step. `wait_for_masks`: returns once step.token_bitmask is filled (the engine
         computes the grammar masks while the forward runs)."""
+        greedy = self._compiled_greedy(step)
+        if greedy is not None:
+            return ModelRunnerOutput(np.where(step.forced_token_ids >= 0, step.forced_token_ids, greedy))
         logits = self._forward(step.forward)
         num_samples = step.num_samples
         tokens = np.zeros(0, dtype=np.int64)
@@ -238,6 +241,17 @@ class ModelRunner:
             output.prompt_logprobs = [top_logprobs(logp[num_samples + i], int(k), int(target)) for i, (k, target)
                                       in enumerate(zip(step.prompt_logprob_k, step.prompt_logprob_targets))]
         return output
+
+    def _compiled_greedy(self, step: SchedulerOutput) -> np.ndarray | None:
+        """The step's sampled tokens when the compiled step runs it and every row is plain greedy (no
+        logprobs, logit bias, grammar, bans or penalties: what the sampler would answer with a bare argmax),
+        taken inside the forward call; None otherwise."""
+        if (self.compiled is None or not step.num_samples or len(step.forward.logit_rows) != step.num_samples
+                or len(step.guided_rows) or len(step.bias_rows) or len(step.logprob_rows)
+                or not step.sampling.greedy_mask().all() or not step.sampling.untouched_logits()):
+            return None
+        batch = self.compiled.covers(step.forward)
+        return None if batch is None else self.compiled.forward_greedy(batch)
 
     def _forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
         compiled = self.compiled.covers(inputs) if self.compiled is not None else None
