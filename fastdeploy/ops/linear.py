@@ -4,8 +4,8 @@ fp32 weights are computed in float32 with one FMA chain per output; bf16 weights
 rounded to bf16 (as a GPU's bf16 GEMM) and accumulate in float32 (AVX512_BF16's dot product where the CPU
 has it, the same bits from FMAs elsewhere). For int8 and int4 the activations are quantized per row per
 32-k block to int8 (like llama.cpp's Q8_0) and multiplied with exact int32 VNNI dot products; the blocks'
-sums are then scaled and added in float32. Either way a
-row's result does not depend on the other rows in the batch (same bits for T = 1 and T = 2048).
+sums are then scaled and added in float32. Either way a row's result does not depend on the other rows in
+the batch (same bits for T = 1 and T = 2048).
 """
 from __future__ import annotations
 
@@ -21,13 +21,19 @@ def weight_only_linear_reference(x: paddle.Tensor, weight: PackedWeight, quantiz
     rounding (int8/int4: per 32-k block; bf16: to bf16); False gives the plain dequantized-weight product."""
     lead = list(x.shape[:-1])
     x2 = x.reshape([-1, weight.k])
-    if weight.fmt in ("int8", "int4") and quantize_activations:
-        y = paddle.matmul(quantize_activations_reference(x2, weight.k_padded), unpack_weight(weight, padded=True))
-    elif weight.fmt == "bf16" and quantize_activations:
-        y = paddle.matmul(x2.astype("bfloat16").astype("float32"), unpack_weight(weight))
+    if quantize_activations:
+        y = paddle.matmul(_as_kernels_see(x2, weight), unpack_weight(weight, padded=True))
     else:
         y = paddle.matmul(x2, unpack_weight(weight))
     return y.reshape(lead + [weight.n])
+
+
+def _as_kernels_see(x: paddle.Tensor, weight: PackedWeight) -> paddle.Tensor:
+    """x [T, K] rounded as the kernels round it for this weight's format (zero-padded to its padded K):
+    int8 / int4 per 32-k block to int8, bf16 to bf16, fp32 not at all."""
+    if weight.fmt in ("int8", "int4"):
+        return quantize_activations_reference(x, weight.k_padded)
+    return x.astype("bfloat16").astype("float32") if weight.fmt == "bf16" else x
 
 
 def weight_only_linear(x: paddle.Tensor, weight: PackedWeight, *, use_compiled: bool = True) -> paddle.Tensor:
@@ -47,11 +53,7 @@ def weight_only_linear(x: paddle.Tensor, weight: PackedWeight, *, use_compiled: 
         # it for every token (memory as for fp32 weights, numerics as the kernels').
         if weight.dense_cache is None:
             weight.dense_cache = unpack_weight(weight, padded=True)
-        if weight.fmt in ("int8", "int4"):
-            x2 = quantize_activations_reference(x2, weight.k_padded)
-        elif weight.fmt == "bf16":
-            x2 = x2.astype("bfloat16").astype("float32")
-        y = paddle.matmul(x2, weight.dense_cache)
+        y = paddle.matmul(_as_kernels_see(x2, weight), weight.dense_cache)
     else:
         if not x2.is_contiguous():
             x2 = x2.contiguous()

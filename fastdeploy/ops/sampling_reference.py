@@ -63,6 +63,10 @@ class SamplingBatch:
     def greedy_mask(self) -> np.ndarray:
         return greedy_rows(self.temperature, self.top_p, self.top_k)
 
+    def plain_greedy(self) -> bool:
+        """Every row is greedy on logits nothing changes: the tokens are a bare argmax."""
+        return bool(self.greedy_mask().all()) and self.untouched_logits()
+
     def untouched_logits(self) -> bool:
         """No row bans a token or applies a penalty (each penalty is off or has no tokens to act on)."""
         if any(len(ids) for ids in self.banned_token_ids):

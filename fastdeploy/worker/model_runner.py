@@ -243,12 +243,12 @@ class ModelRunner:
         return output
 
     def _compiled_greedy(self, step: SchedulerOutput) -> np.ndarray | None:
-        """The step's sampled tokens when the compiled step runs it and every row is plain greedy (no
-        logprobs, logit bias, grammar, bans or penalties: what the sampler would answer with a bare argmax),
-        taken inside the forward call; None otherwise."""
+        """The step's sampled tokens when the compiled step runs it, every row is plain greedy (what the
+        sampler would answer with a bare argmax) and nothing else needs the logits (logprobs, logit bias,
+        grammar), taken inside the forward call; None otherwise."""
         if (self.compiled is None or not step.num_samples or len(step.forward.logit_rows) != step.num_samples
                 or len(step.guided_rows) or len(step.bias_rows) or len(step.logprob_rows)
-                or not step.sampling.greedy_mask().all() or not step.sampling.untouched_logits()):
+                or not step.sampling.plain_greedy()):
             return None
         batch = self.compiled.covers(step.forward)
         return None if batch is None else self.compiled.forward_greedy(batch)
