@@ -40,6 +40,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from large_models import isa  # a sibling script: benchmarks/ is sys.path[0]
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -50,12 +52,6 @@ class Sample:
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
     error: str | None = None
-
-
-def isa() -> str:
-    """The instruction set the compiled kernels run here (avx512_bf16, avx512 or avx2)."""
-    from fastdeploy import ops
-    return str(ops.runtime_info()["detected_isa"])
 
 
 def make_prompts(rng: np.random.Generator, count: int, args: argparse.Namespace) -> list[list[int]]:
