@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from large_models import decode_bytes_per_token, isa, read_bandwidth_gbs  # noqa: E402
+from large_models import add_isa_argument, decode_bytes_per_token, isa, read_bandwidth_gbs, use_isa  # noqa: E402
 from offline_throughput import CKPT, FORMATS, build_checkpoint, make_prompts  # noqa: E402
 
 if TYPE_CHECKING:
@@ -80,9 +80,9 @@ def one_round(llm: LLM, batch: int, pp: int, tg: int) -> dict[str, float]:
 
 def run_child(fmt: str, batches: list[int], reps: int, kernels: str) -> dict:
     from fastdeploy import LLM, SamplingParams
-    from fastdeploy.ops.build import runtime_info, set_isa
+    from fastdeploy.ops.build import runtime_info
 
-    set_isa(kernels)  # before loading: weights are packed for the active instruction set
+    use_isa(kernels)
     llm = LLM(model=str(CKPT), quantization=FORMATS[fmt], max_model_len=512, max_num_seqs=max(batches),
               max_num_batched_tokens=max(batches) * PP, enable_chunked_prefill=True, enable_prefix_caching=False)
     llm.generate(make_prompts(1, 16), SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False),
@@ -135,8 +135,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=1, help="rounds per B; the median-total-time one is kept")
     parser.add_argument("--llama-bench", help="path of llama-batched-bench: run it too, on --gguf")
     parser.add_argument("--gguf", default="", help="LABEL=PATH,... GGUF files for --llama-bench")
-    parser.add_argument("--isa", default="best", choices=("best", "avx2", "avx512", "avx512_bf16"),
-                        help="our kernels' instruction set (avx2 runs the AVX2 path on an AVX-512 CPU)")
+    add_isa_argument(parser)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's -t (ours uses all cores)")
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one format, print JSON

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/large_models.py --model ernie-4.5-21b-a3b --layers 4
     .venv/bin/python benchmarks/large_models.py --model qwen2-7b --formats bf16,wint8,wint4
     .venv/bin/python benchmarks/large_models.py --model ernie-4.5-21b-a3b --formats wint4 --workloads decode
+    .venv/bin/python benchmarks/large_models.py --model ernie-4.5-21b-a3b --layers 4 --isa avx2   # AVX2 kernels
     ... --json results.json
 
 A random checkpoint of the real shape (tools/random_checkpoint.py; --layers cuts the depth) is
@@ -15,6 +16,7 @@ load time (LLM() construction, from the page cache when the files fit in it), pe
 and the memory-bandwidth bound of one-stream decode: bytes of weights read per token (attention, dense
 MLPs, top_k / E of each MoE layer's experts, shared experts, routers, LM head) / the machine's read
 bandwidth, measured by a small AVX2 streaming sum over 1 GiB on all cores (compiled here with cc).
+--isa picks the kernels' instruction set in each child (avx2 runs the AVX2 path on an AVX-512 CPU).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from random_checkpoint import SHAPES, write_checkpoint  # noqa: E402
 CACHE = Path(__file__).resolve().parent / ".cache"
 FORMATS = {"bf16": None, "wint8": "wint8", "wint4": "wint4"}
 WORKLOADS = {"decode": (1, 128, 128), "W16": (16, 128, 128), "prompt": (16, 128, 1)}
+ISA_CHOICES = ("best", "avx2", "avx512", "avx512_bf16")
 
 BANDWIDTH_C = r"""
 #include <immintrin.h>
@@ -89,6 +92,20 @@ def isa() -> str:
     return str(ops.runtime_info()["detected_isa"])
 
 
+def add_isa_argument(parser: argparse.ArgumentParser) -> None:
+    """--isa, shared by the scripts that run our kernels on a chosen instruction set (see use_isa)."""
+    parser.add_argument("--isa", default="best", choices=ISA_CHOICES,
+                        help="our kernels' instruction set (avx2 runs the AVX2 path on an AVX-512 CPU; "
+                             "avx512: AVX-512 without the bf16 dot product)")
+
+
+def use_isa(name: str) -> str:
+    """Switch the compiled kernels to `name` (one of ISA_CHOICES) and return the one now active. Call it in
+    the measuring process before the LLM is built: weights are packed for the active instruction set."""
+    from fastdeploy import ops
+    return ops.set_isa(name)
+
+
 def decode_bytes_per_token(model, top_k: int, num_experts: int) -> int:
     """Weight bytes one decode step reads: every packed weight except the embedding's own table (a
     lookup reads one row), MoE experts weighted by top_k / E."""
@@ -103,10 +120,11 @@ def decode_bytes_per_token(model, top_k: int, num_experts: int) -> int:
     return int(total) + sum(int(np.prod(p.shape)) * 4 for p in model.parameters())
 
 
-def run_child(ckpt: str, fmt: str, workloads: list[str]) -> dict:
-    from fastdeploy import LLM, SamplingParams
+def run_child(ckpt: str, fmt: str, workloads: list[str], kernels: str) -> dict:
+    from fastdeploy import LLM, SamplingParams, ops
     from fastdeploy.model_executor.weight_format import weight_bytes
 
+    use_isa(kernels)
     start = time.perf_counter()
     llm = LLM(model=ckpt, quantization=FORMATS[fmt], max_model_len=512, max_num_seqs=16,
               max_num_batched_tokens=2048, enable_chunked_prefill=True, enable_prefix_caching=False)
@@ -118,7 +136,8 @@ def run_child(ckpt: str, fmt: str, workloads: list[str]) -> dict:
     result = {"load_s": load_s, "load_peak_rss_gib": load_rss,
               "weights_gib": weight_bytes(runner.model) / 2**30,
               "kv_pool_gib": runner.num_blocks * runner._kv_block_bytes() / 2**30,
-              "decode_bytes_per_token": decode_bytes_per_token(runner.model, hf.get("moe_k", 1), experts)}
+              "decode_bytes_per_token": decode_bytes_per_token(runner.model, hf.get("moe_k", 1), experts),
+              "runtime": ops.runtime_info()}
     rng = np.random.default_rng(0)
     vocab = llm.config.model_config.vocab_size
     llm.generate([rng.integers(3, vocab, 16).tolist()], SamplingParams(max_tokens=4, ignore_eos=True,
@@ -177,11 +196,12 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--json", type=Path, help="append the results here")
     parser.add_argument("--plot", type=Path, help="draw every run in --json into this SVG")
+    add_isa_argument(parser)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         logging.disable(logging.WARNING)
-        print(json.dumps(run_child(args.child[0], args.child[1], args.child[2].split(","))))
+        print(json.dumps(run_child(args.child[0], args.child[1], args.child[2].split(","), args.isa)))
         return
 
     shape = SHAPES[args.model]
@@ -190,11 +210,12 @@ def main() -> None:
     write_checkpoint(ckpt, shape, layers)
     bandwidth = read_bandwidth_gbs()
     print(f"# {args.model}, {layers} of {shape.layers} layers; {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, {isa()}; read bandwidth {bandwidth:.1f} GB/s", flush=True)
+          f"{os.cpu_count()} cores, {isa()}, kernels --isa {args.isa}; read bandwidth {bandwidth:.1f} GB/s",
+          flush=True)
     results = {}
     for fmt in [f for f in args.formats.split(",") if f]:
-        done = subprocess.run([sys.executable, __file__, "--child", str(ckpt), fmt, args.workloads],
-                              capture_output=True, text=True)
+        done = subprocess.run([sys.executable, __file__, "--child", str(ckpt), fmt, args.workloads,
+                               "--isa", args.isa], capture_output=True, text=True)
         if done.returncode != 0:
             print(f"{fmt}: failed\n{done.stderr[-3000:]}", flush=True)
             continue
@@ -202,8 +223,9 @@ def main() -> None:
         bound = bandwidth * 1e9 / r["decode_bytes_per_token"]
         r["decode_bound_tok_s"] = bound
         results[fmt] = r
-        line = (f"{fmt:6s} load {r['load_s']:6.1f} s  peak RSS {r['peak_rss_gib']:5.2f} GiB (load "
-                f"{r['load_peak_rss_gib']:5.2f}; weights {r['weights_gib']:5.2f} + KV {r['kv_pool_gib']:4.2f})")
+        line = (f"{fmt:6s} [{r['runtime']['active_isa']}] load {r['load_s']:6.1f} s  peak RSS "
+                f"{r['peak_rss_gib']:5.2f} GiB (load {r['load_peak_rss_gib']:5.2f}; weights {r['weights_gib']:5.2f} + "
+                f"KV {r['kv_pool_gib']:4.2f})")
         if "decode" in r:
             d = r["decode"]["decode_tok_s"]
             line += f"  decode {d:6.1f} tok/s ({100 * d / bound:3.0f}% of {bound:.1f})"
@@ -214,8 +236,8 @@ def main() -> None:
         print(line, flush=True)
     if args.json:
         old = json.loads(args.json.read_text()) if args.json.exists() else []
-        old.append({"model": args.model, "layers": layers, "isa": isa(), "bandwidth_gbs": bandwidth,
-                    "results": results})
+        old.append({"model": args.model, "layers": layers, "isa": isa(), "kernels": args.isa,
+                    "bandwidth_gbs": bandwidth, "results": results})
         args.json.write_text(json.dumps(old, indent=2))
         if args.plot:
             svg_plot(old, args.plot)
