@@ -286,6 +286,19 @@ def test_weight_only_linear_rows_do_not_depend_on_batch_threads_or_isa(fmt):
             ops.set_isa("best")
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+def test_long_batch_runs_in_passes_with_the_same_rows(isa, fmt):
+    """A batch whose activations exceed one pass over the weights (4 MiB of rows: here 3-9 passes) gives
+    every row the bits it gets in a short batch, and the reference's values."""
+    rng = np.random.default_rng(21)
+    packed = ops.pack_weight(rng.standard_normal((6000, 72), dtype=np.float32) * 0.02, fmt)
+    x = tensor(rng.standard_normal((1500, 6000), dtype=np.float32))
+    batch = ops.weight_only_linear(x, packed).numpy()
+    for lo in (0, 170, 700, 1490):
+        np.testing.assert_array_equal(ops.weight_only_linear(x[lo:lo + 10], packed).numpy(), batch[lo:lo + 10])
+    assert_close(tensor(batch[::97]), ops.weight_only_linear_reference(x[::97], packed), 2e-5)
+
+
 def test_quantized_linear_accuracy_against_fp32():
     """int8 activations per 32-k block (as llama.cpp's Q8_0) on top of the weight rounding: measured
     relative errors with outlier activation channels are ~0.014 (int8) and ~0.10 (int4)."""
