@@ -55,9 +55,8 @@ struct StepModel {
 
 struct StepBatch {
   const int64_t* ids;        // [T]
-  const int64_t* positions;  // [T]
-  const int64_t* slots;      // [T]
-  const int64_t* q_start;    // [B + 1]
+  const int64_t* positions;  // [T]: rotary positions
+  const int64_t* q_lens;     // [B]: request b's new tokens are the last q_lens[b] of its ctx_lens[b]
   const int64_t* ctx_lens;   // [B]
   const int64_t* blocks;     // [B, max_blocks]
   const int64_t* logit_rows; // [R]
@@ -118,11 +117,11 @@ void linear(const KernelTable& kt, const float* x, const MoeWeight& w, const flo
 
 struct Buffers {
   float *resid, *x, *y, *qkv, *q, *k, *v, *attn, *ug, *act, *cos, *sin, *rows_y, *rows_r, *moe_w;
-  int64_t* moe_ids;
+  int64_t *moe_ids, *q_start, *slots;
 };
 
 // Lays the buffers out in `base` (nullptr: only counts); returns the floats needed.
-int64_t carve(const StepModel& m, int64_t T, int64_t R, float* base, Buffers* b) {
+int64_t carve(const StepModel& m, int64_t T, int64_t B, int64_t R, float* base, Buffers* b) {
   const int64_t H = m.hidden, D = m.head_dim, QD = m.heads * D, KD = m.kv_heads * D;
   Carver c{base};
   b->resid = c.take(T * H);
@@ -141,7 +140,26 @@ int64_t carve(const StepModel& m, int64_t T, int64_t R, float* base, Buffers* b)
   b->rows_r = c.take(R * H);
   b->moe_w = c.take(T * m.max_top_k);
   b->moe_ids = reinterpret_cast<int64_t*>(c.take(2 * T * m.max_top_k));
+  b->q_start = reinterpret_cast<int64_t*>(c.take(2 * (B + 1)));
+  b->slots = reinterpret_cast<int64_t*>(c.take(2 * T));
   return c.used;
+}
+
+// Query starts and the cache slot of every new token (its context position through its request's block
+// table); false when the lengths do not add up to T or a slot falls outside the cache.
+bool cache_slots(const StepModel& m, const StepBatch& s, int64_t* q_start, int64_t* slots) {
+  q_start[0] = 0;
+  for (int64_t b = 0; b < s.B; ++b) {
+    const int64_t q = s.q_lens[b], ctx = s.ctx_lens[b];
+    if (q < 0 || ctx < q || ctx > s.max_blocks * m.block_size || q_start[b] + q > s.T) return false;
+    for (int64_t p = ctx - q; p < ctx; ++p) {
+      const int64_t block = s.blocks[b * s.max_blocks + p / m.block_size];
+      if (block < 0 || (block + 1) * m.block_size > m.cache_slots) return false;
+      slots[q_start[b] + p - (ctx - q)] = block * m.block_size + p % m.block_size;
+    }
+    q_start[b + 1] = q_start[b] + q;
+  }
+  return q_start[s.B] == s.T;
 }
 
 void attention_block(const KernelTable& kt, const StepModel& m, const StepLayer& L, const StepBatch& s,
@@ -161,7 +179,7 @@ void attention_block(const KernelTable& kt, const StepModel& m, const StepLayer&
   }
   kt.rotary(b.q, b.k, b.cos, b.sin, T, m.heads, m.kv_heads, D, m.interleaved != 0);
   clock.mark(kRope);
-  kt.attention(AttentionArgs{b.q, b.k, b.v, L.kv_cache, s.slots, s.q_start, s.ctx_lens, s.blocks, b.attn, T, s.B,
+  kt.attention(AttentionArgs{b.q, b.k, b.v, L.kv_cache, b.slots, b.q_start, s.ctx_lens, s.blocks, b.attn, T, s.B,
                              m.heads, m.kv_heads, D, m.cache_slots, s.max_blocks, m.block_size, m.attn_scale,
                              true, m.cache_bf16 != 0});
   clock.mark(kAttention);
@@ -233,8 +251,9 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
   Workspace& ws = *static_cast<Workspace*>(workspace);
   Clock clock{ws.seconds};
   Buffers b{};
-  const int64_t need = carve(m, T, s.R, nullptr, &b);
-  carve(m, T, s.R, ws.reserve(need), &b);
+  const int64_t need = carve(m, T, s.B, s.R, nullptr, &b);
+  carve(m, T, s.B, s.R, ws.reserve(need), &b);
+  if (!cache_slots(m, s, b.q_start, b.slots)) return 1;
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(b.cos + t * half, m.cos_table + s.positions[t] * half, half * sizeof(float));
     std::memcpy(b.sin + t * half, m.sin_table + s.positions[t] * half, half * sizeof(float));

@@ -1,11 +1,13 @@
 """BlockManager and Scheduler on their own, with hand-checked expectations."""
+import dataclasses
+
 import numpy as np
 import pytest
 
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestMetrics, RequestStatus
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.engine.scheduler import Scheduler
+from fastdeploy.engine.scheduler import PolicyCache, Scheduler, sampling_batch
 from fastdeploy.worker.step_types import ModelRunnerOutput
 
 
@@ -178,3 +180,32 @@ def test_scheduler_never_exceeds_pool(caching):
             if r.num_output_tokens >= 6:
                 sched.finish_request(r, "stop")
     assert not sched.has_unfinished()
+
+
+def test_kept_sampling_policies_give_what_the_arrays_give():
+    """The scheduler keeps a decode batch's parameter columns and answers greedy / plain-greedy itself:
+    the same as computing them from the arrays, for greedy, sampled, banned and penalised rows."""
+    def request(rid, outputs=(), eos=frozenset(), **params):
+        r = Request(request_id=rid, prompt_token_ids=[1, 2, 3], params=SamplingParams(**params).with_model_defaults({}),
+                    max_tokens=8, eos_token_ids=eos, generator=np.random.default_rng(0),
+                    metrics=RequestMetrics(arrival_time=0.0))
+        r.token_ids.extend(outputs)
+        return r
+
+    greedy = request("g", temperature=0)
+    cases = [
+        [greedy], [greedy, request("g2", outputs=[4], top_k=1)],
+        [greedy, request("s", temperature=0.7, top_p=0.9)],  # a row that draws
+        [request("m", temperature=0, min_tokens=2, eos=frozenset({2}))],  # EOS banned below min_tokens
+        [request("p", temperature=0, repetition_penalty=1.2)],  # penalty over the prompt
+        [request("f", temperature=0, frequency_penalty=0.5)],  # no output yet: nothing to act on
+        [request("f2", outputs=[5], temperature=0, presence_penalty=0.5)],
+    ]
+    cache = PolicyCache()
+    for requests in cases + cases[::-1]:
+        kept = sampling_batch(requests, cache.get(requests))
+        computed = dataclasses.replace(kept, greedy=None, plain=None)
+        np.testing.assert_array_equal(kept.greedy_mask(), computed.greedy_mask())
+        assert kept.plain_greedy() == computed.plain_greedy(), [r.request_id for r in requests]
+    assert [sampling_batch(c).plain_greedy() for c in cases] == [True, True, False, False, False, True, False]
+    assert cache.get(cases[0]) is cache.get(list(cases[0]))  # kept while the same requests sample

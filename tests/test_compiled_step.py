@@ -130,6 +130,14 @@ def test_bad_batch_is_a_clear_error() -> None:
                              np.asarray(rows, np.int64))
         with pytest.raises(ValueError, match="out of range"):
             compiled.forward(batch)
+    # The step derives the cache slots: a block outside the 4-block cache, a table too short for the
+    # context, query lengths that do not add up to the tokens, more new tokens than context.
+    for query_lens, context_lens, tables in (([1], [1], [[4]]), ([1], [BLOCK + 1], [[0]]), ([2], [2], [[0]]),
+                                             ([1, 1], [1, 0], [[0], [1]])):
+        batch = ForwardBatch(np.ones(1, np.int64), np.zeros(1, np.int64), query_lens, context_lens, tables,
+                             np.zeros(1, np.int64))
+        with pytest.raises(ValueError, match="out of range"):
+            compiled.forward(batch)
 
 
 def test_used_by_the_runner_and_not_under_tensor_parallel() -> None:

@@ -274,7 +274,8 @@ def test_rows_do_not_depend_on_batch_threads_or_isa():
         np.testing.assert_array_equal(tokens, results[0][0])
         np.testing.assert_array_equal(tau, results[0][1])
     for r in (0, 5, 23):  # each row alone
-        alone = SamplingBatch(**{f: getattr(batch, f)[r:r + 1] for f in SamplingBatch.__slots__})
+        alone = SamplingBatch(**{f: getattr(batch, f)[r:r + 1] for f in SamplingBatch.__slots__
+                                 if getattr(batch, f) is not None})
         tokens, tau = ops.sample(logits[r:r + 1], return_thresholds=True, **op_args(alone, uniforms[r:r + 1], 4099))
         assert tokens[0] == results[0][0][r] and np.array_equal(tau, results[0][1][r:r + 1], equal_nan=True)
 

@@ -14,6 +14,7 @@ blocks, new tokens, stop checks, finishing and freeing) in one place.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -60,26 +61,64 @@ def banned_tokens(request: Request) -> list[int]:
     return banned
 
 
-def sampling_batch(requests: list[Request]) -> SamplingBatch:
-    """The sampling rows of `requests`; each sampled (non-greedy) row draws its uniform from the
-    request's own generator, in row order, so a seeded request's tokens never depend on the batch."""
+_POLICY_COLUMNS = (("temperature", np.float32), ("top_p", np.float32), ("top_k", np.int64), ("min_p", np.float32),
+                   ("repetition_penalty", np.float32), ("frequency_penalty", np.float32),
+                   ("presence_penalty", np.float32))
 
-    def column(name: str, dtype: type) -> np.ndarray:
-        return np.array([getattr(r.params, name) for r in requests], dtype=dtype)
 
-    temperature, top_p = column("temperature", np.float32), column("top_p", np.float32)
-    top_k = column("top_k", np.int64)
+@dataclass(slots=True)
+class SamplingPolicies:
+    """The sampling-parameter columns of one list of sampling requests. A decode batch samples the same
+    requests step after step, so the scheduler keeps the last one: at one stream, building these arrays
+    anew was a good part of the step's Python."""
+
+    requests: list[Request]
+    columns: dict[str, np.ndarray]
+    greedy: np.ndarray  # bool [B]
+    sampled_rows: list[int]  # the rows that draw (not greedy)
+    penalized: bool  # some row has a repetition, frequency or presence penalty
+
+    @classmethod
+    def of(cls, requests: list[Request]) -> SamplingPolicies:
+        columns = {name: np.array([getattr(r.params, name) for r in requests], dtype=dtype)
+                   for name, dtype in _POLICY_COLUMNS}
+        greedy = greedy_rows(columns["temperature"], columns["top_p"], columns["top_k"])
+        penalized = any(r.params.repetition_penalty != 1 or r.params.frequency_penalty != 0
+                        or r.params.presence_penalty != 0 for r in requests)
+        return cls(list(requests), columns, greedy, np.flatnonzero(~greedy).tolist(), penalized)
+
+
+
+class PolicyCache:
+    """The SamplingPolicies of the last list of sampling requests seen."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: SamplingPolicies | None = None
+
+    def get(self, requests: list[Request]) -> SamplingPolicies:
+        last = self.last
+        if last is None or len(requests) != len(last.requests) or any(a is not b for a, b in zip(requests, last.requests)):
+            self.last = last = SamplingPolicies.of(requests)
+        return last
+
+
+def sampling_batch(requests: list[Request], policies: SamplingPolicies | None = None) -> SamplingBatch:
+    """The sampling rows of `requests` (`policies`: their columns, if already built); each sampled
+    (non-greedy) row draws its uniform from the request's own generator, in row order, so a seeded
+    request's tokens never depend on the batch."""
+    policies = policies or SamplingPolicies.of(requests)
     uniforms = np.zeros(len(requests), dtype=np.float64)
-    for i in np.flatnonzero(~greedy_rows(temperature, top_p, top_k)):
+    for i in policies.sampled_rows:
         uniforms[i] = requests[i].generator.random()
+    banned = [banned_tokens(r) for r in requests]
+    # Without penalties the answer is known here; with them it depends on each row's history.
+    plain = None if policies.penalized else not policies.sampled_rows and not any(banned)
     return SamplingBatch(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=column("min_p", np.float32),
-        repetition_penalty=column("repetition_penalty", np.float32),
-        frequency_penalty=column("frequency_penalty", np.float32),
-        presence_penalty=column("presence_penalty", np.float32),
-        prompt_token_ids=[r.prompt_token_ids for r in requests],
-        output_token_ids=[r.output_token_ids for r in requests],
-        banned_token_ids=[banned_tokens(r) for r in requests], uniforms=uniforms)
+        **policies.columns, prompt_token_ids=[r.prompt_token_ids for r in requests],
+        output_token_ids=[r.output_token_ids for r in requests], banned_token_ids=banned, uniforms=uniforms,
+        greedy=policies.greedy, plain=plain)
 
 
 def logprob_transforms(params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
@@ -90,8 +129,15 @@ def logprob_transforms(params: list[SamplingParams]) -> tuple[np.ndarray, np.nda
     return np.asarray(temperature, dtype=np.float32), np.asarray(top_p, dtype=np.float32)
 
 
+_NONE_I64 = np.zeros(0, dtype=np.int64)
+_NONE_I64.flags.writeable = False
+_NONE_F32 = np.zeros(0, dtype=np.float32)
+_NONE_F32.flags.writeable = False
+
+
 def _int64(values: list[int]) -> np.ndarray:
-    return np.asarray(values, dtype=np.int64)
+    # Most of a step's per-row lists are empty (no bias, no logprobs): one shared read-only array for those.
+    return np.asarray(values, dtype=np.int64) if values else _NONE_I64
 
 
 def add_multimodal(forward: ForwardBatch, requests: list[Request], counts: list[int]) -> None:
@@ -122,7 +168,8 @@ def add_multimodal(forward: ForwardBatch, requests: list[Request], counts: list[
     forward.token_types = np.concatenate(types)
 
 
-def build_step(requests: list[Request], counts: list[int], block_manager: BlockManager) -> ScheduledStep:
+def build_step(requests: list[Request], counts: list[int], block_manager: BlockManager,
+               policies: PolicyCache | None = None) -> ScheduledStep:
     ids: list[int] = []
     positions: list[int] = []
     context_lens: list[int] = []
@@ -133,16 +180,16 @@ def build_step(requests: list[Request], counts: list[int], block_manager: BlockM
         context_lens.append(begin + n)
     # Rows that finish their known tokens this step produce the next token; prompt rows of requests
     # asking for prompt_logprobs get logits too.
-    starts = np.cumsum([0] + list(counts))
+    starts = list(itertools.accumulate(counts, initial=0))
     sampling = [i for i, (r, c) in enumerate(zip(requests, context_lens)) if c == r.num_tokens]
     samplers = [requests[i] for i in sampling]
-    prompt_rows = [(r, p, int(starts[i]) + p - r.num_computed_tokens)
+    prompt_rows = [(r, p, starts[i] + p - r.num_computed_tokens)
                    for i, r in enumerate(requests) if r.wants_prompt_logprobs
                    for p in range(r.num_computed_tokens, min(context_lens[i], r.num_prompt_tokens - 1))]
     forward = ForwardBatch(
         _int64(ids), _int64(positions), list(counts), context_lens,
         [block_manager.block_table(r.request_id) for r in requests],
-        _int64([int(starts[i + 1]) - 1 for i in sampling] + [row for _, _, row in prompt_rows]))
+        _int64([starts[i + 1] - 1 for i in sampling] + [row for _, _, row in prompt_rows]))
     if any(r.mm is not None for r in requests):
         add_multimodal(forward, requests, counts)
     bias = [(j, t, v) for j, r in enumerate(samplers) for t, v in r.params.logit_bias.items()]
@@ -150,11 +197,12 @@ def build_step(requests: list[Request], counts: list[int], block_manager: BlockM
     logprob_rows = [j for j, r in enumerate(samplers) if r.params.logprobs is not None or r.params.ranks_candidates]
     model_input = SchedulerOutput(
         forward=forward,
-        sampling=sampling_batch(samplers),
-        forced_token_ids=_int64([r.forced_tokens[0] if r.forced_tokens else -1 for r in samplers]),
+        sampling=sampling_batch(samplers, policies.get(samplers) if policies is not None else None),
+        forced_token_ids=_int64([r.forced_tokens[0] if r.forced_tokens else -1 for r in samplers]
+                                if any(r.forced_tokens for r in samplers) else []),
         bias_rows=_int64([j for j, _, _ in bias]),
         bias_token_ids=_int64([t for _, t, _ in bias]),
-        bias_values=np.asarray([v for _, _, v in bias], dtype=np.float32),
+        bias_values=np.asarray([v for _, _, v in bias], dtype=np.float32) if bias else _NONE_F32,
         logprob_rows=_int64(logprob_rows),
         logprob_k=_int64([samplers[j].params.logprobs or 0 for j in logprob_rows]),
         prompt_logprob_k=_int64([r.params.prompt_logprobs for r, _, _ in prompt_rows]),
@@ -177,6 +225,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # the unfinished ones, by id
         self.num_preemptions = 0
+        self._policies = PolicyCache()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -236,7 +285,7 @@ class Scheduler:
             scheduled.append(request)
             counts.append(num_new)
             budget -= num_new
-        return build_step(scheduled, counts, self.block_manager)
+        return build_step(scheduled, counts, self.block_manager, self._policies)
 
     def update_from_output(self, step: ScheduledStep, output: ModelRunnerOutput) -> list[Request]:
         """Apply a step's result; return the requests that got a new token (some now finished)."""

@@ -56,15 +56,21 @@ class SamplingBatch:
     output_token_ids: list[Sequence[int]]
     banned_token_ids: list[Sequence[int]]  # set to -inf this step (EOS/stop ids below min_tokens)
     uniforms: np.ndarray  # float64 [B] in [0, 1): where each sampled row inverts its CDF (greedy: unread)
+    # What greedy_mask() and plain_greedy() answer, when the caller already knows (the scheduler keeps
+    # them per decode batch); None: computed from the arrays.
+    greedy: np.ndarray | None = None
+    plain: bool | None = None
 
     def __len__(self) -> int:
         return len(self.temperature)
 
     def greedy_mask(self) -> np.ndarray:
-        return greedy_rows(self.temperature, self.top_p, self.top_k)
+        return greedy_rows(self.temperature, self.top_p, self.top_k) if self.greedy is None else self.greedy
 
     def plain_greedy(self) -> bool:
         """Every row is greedy on logits nothing changes: the tokens are a bare argmax."""
+        if self.plain is not None:
+            return self.plain
         return bool(self.greedy_mask().all()) and self.untouched_logits()
 
     def untouched_logits(self) -> bool:

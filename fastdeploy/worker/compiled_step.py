@@ -24,7 +24,6 @@ from paddle import nn
 
 from fastdeploy import ops
 from fastdeploy.ops.build import OpsLibrary
-from fastdeploy.model_executor.forward_context import attention_metadata
 from fastdeploy.model_executor.layers.linear import GatedMLP
 from fastdeploy.model_executor.layers.moe import SparseMoE
 from fastdeploy.model_executor.layers.moe_multimodal import MultimodalMoE
@@ -63,9 +62,20 @@ class _Model(ctypes.Structure):
 
 
 class _Batch(ctypes.Structure):
-    _fields_ = [("ids", _ptr), ("positions", _ptr), ("slots", _ptr), ("q_start", _ptr), ("ctx_lens", _ptr),
+    _fields_ = [("ids", _ptr), ("positions", _ptr), ("q_lens", _ptr), ("ctx_lens", _ptr),
                 ("blocks", _ptr), ("logit_rows", _ptr), ("logits", _ptr), ("T", _i64), ("B", _i64),
                 ("max_blocks", _i64), ("R", _i64), ("argmax", _ptr)]
+
+
+def block_table_array(tables: Sequence[Sequence[int]]) -> np.ndarray:
+    """int64 [B, widest table] of the requests' block tables, zero-padded."""
+    width = max(max(map(len, tables), default=0), 1)
+    if all(len(t) == width for t in tables):
+        return np.array(tables, dtype=np.int64).reshape(len(tables), width)
+    out = np.zeros((len(tables), width), dtype=np.int64)
+    for b, table in enumerate(tables):
+        out[b, :len(table)] = table
+    return out
 
 
 def _address(t: paddle.Tensor | None) -> int | None:
@@ -216,15 +226,18 @@ class CompiledDecoder:
         return tokens
 
     def _run(self, inputs: ForwardBatch, logits: int | None, argmax: int | None) -> None:
-        slots, starts, ctx_lens, tables = attention_metadata(inputs.query_lens, inputs.context_lens,
-                                                             inputs.block_tables, self._model.block_size)
+        # The step derives query starts and cache slots itself: at one stream the numpy calls that built
+        # them here cost about as much as the attention over a short context.
         ids = np.ascontiguousarray(inputs.token_ids, dtype=np.int64)
         positions = np.ascontiguousarray(inputs.positions, dtype=np.int64)
         rows = np.ascontiguousarray(inputs.logit_rows, dtype=np.int64)
-        batch = _Batch(ids.ctypes.data, positions.ctypes.data, slots.ctypes.data, starts.ctypes.data,
-                       ctx_lens.ctypes.data, tables.ctypes.data, rows.ctypes.data, logits, len(ids), len(ctx_lens),
-                       tables.shape[1], len(rows), argmax)
+        q_lens = np.array(inputs.query_lens, dtype=np.int64)
+        ctx_lens = np.array(inputs.context_lens, dtype=np.int64)
+        tables = block_table_array(inputs.block_tables)
+        batch = _Batch(ids.ctypes.data, positions.ctypes.data, q_lens.ctypes.data, ctx_lens.ctypes.data,
+                       tables.ctypes.data, rows.ctypes.data, logits, len(ids), len(ctx_lens), tables.shape[1],
+                       len(rows), argmax)
         rc = self._step(ctypes.byref(self._model), ctypes.byref(batch), self._workspace)
         if rc != 0:
-            raise ValueError(f"fd_decoder_step rejected the batch (code {rc}): a token id, position or logit row "
-                             f"is out of range")
+            raise ValueError(f"fd_decoder_step rejected the batch (code {rc}): a token id, position, logit row, "
+                             f"query length or block is out of range")

@@ -73,6 +73,12 @@ def with_logit_bias(logits: paddle.Tensor, step: SchedulerOutput) -> paddle.Tens
 
 
 @paddle.no_grad()
+def with_forced_tokens(tokens: np.ndarray, step: SchedulerOutput) -> np.ndarray:
+    """The sampled tokens with the forced ones put in their rows."""
+    forced = step.forced_token_ids
+    return np.where(forced >= 0, forced, tokens) if len(forced) else tokens
+
+
 def run_step(model: nn.Layer, inputs: ForwardBatch, block_size: int,
              kv_caches: Sequence[paddle.Tensor], vision: VisionCache | None = None) -> paddle.Tensor | None:
     """Forward the batch through the model (writing its K/V into the cache) and return the logits
@@ -216,7 +222,7 @@ class ModelRunner:
         computes the grammar masks while the forward runs)."""
         greedy = self._compiled_greedy(step)
         if greedy is not None:
-            return ModelRunnerOutput(np.where(step.forced_token_ids >= 0, step.forced_token_ids, greedy))
+            return ModelRunnerOutput(with_forced_tokens(greedy, step))
         logits = self._forward(step.forward)
         num_samples = step.num_samples
         tokens = np.zeros(0, dtype=np.int64)
@@ -226,7 +232,7 @@ class ModelRunner:
             apply_token_bitmask_(logits, step.guided_rows, step.token_bitmask)
         if num_samples:
             tokens = self.sampler(with_logit_bias(logits[:num_samples], step), step.sampling)
-            tokens = np.where(step.forced_token_ids >= 0, step.forced_token_ids, tokens)
+            tokens = with_forced_tokens(tokens, step)
         output = ModelRunnerOutput(tokens)
         if len(step.logprob_rows) or len(step.prompt_logprob_k):
             # Raw log-softmax of the model's logits (before penalties and temperature).

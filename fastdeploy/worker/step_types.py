@@ -46,7 +46,7 @@ class SchedulerOutput:
 
     forward: ForwardBatch
     sampling: SamplingBatch  # S rows, values validated when the requests were made
-    forced_token_ids: np.ndarray  # [S] int64: emitted instead of the sampled token; -1: none
+    forced_token_ids: np.ndarray  # [S] int64: emitted instead of the sampled token; -1: none; empty: no row forced
     bias_rows: np.ndarray  # logit_bias as coordinates: add bias_values at (bias_rows, bias_token_ids)
     bias_token_ids: np.ndarray
     bias_values: np.ndarray  # float32
@@ -67,7 +67,7 @@ class SchedulerOutput:
 
     @property
     def num_samples(self) -> int:
-        return len(self.forced_token_ids)
+        return len(self.sampling)
 
 
 @dataclass(slots=True)
