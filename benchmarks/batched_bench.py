@@ -48,6 +48,7 @@ COLUMNS = ("T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s")
 def one_round(llm: LLM, batch: int, pp: int, tg: int) -> dict[str, float]:
     """Step the engine directly so the prompt and generation phases are timed apart."""
     from fastdeploy import SamplingParams
+    from fastdeploy.worker.compiled_step import WEIGHT_PHASES
 
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=tg + 1, ignore_eos=True, detokenize=False)
@@ -64,18 +65,28 @@ def one_round(llm: LLM, batch: int, pp: int, tg: int) -> dict[str, float]:
     while any(r.num_output_tokens == 0 for r in requests):
         engine.step()
         pp_steps += 1
+    compiled = engine.runner.compiled
+    if compiled is not None:
+        compiled.phase_seconds()  # restart the compiled step's phase timers
     prompt_done = time.perf_counter()
     while not all(r.is_finished for r in requests):
         engine.step()
         tg_steps += 1
     end = time.perf_counter()
+    # Share of the decode time outside the weight-streaming phases: attention, norms, rotary, activation,
+    # embedding and all the engine's Python (None when the forward ran layer by layer).
+    outside = None
+    if compiled is not None:
+        phases = compiled.phase_seconds()
+        outside = 1.0 - sum(phases[p] for p in WEIGHT_PHASES) / (end - prompt_done)
     counts = {r.num_output_tokens for r in requests}
     if counts != {tg + 1}:
         raise RuntimeError(f"B={batch}: expected {tg + 1} output tokens per sequence, got {sorted(counts)}")
     t_pp, t_tg = prompt_done - start, end - prompt_done
     return {"pp": pp, "tg": tg, "pl": batch, "n_kv": batch * (pp + tg), "t_pp": t_pp, "speed_pp": batch * pp / t_pp,
             "t_tg": t_tg, "speed_tg": batch * tg / t_tg, "t": t_pp + t_tg,
-            "speed": batch * (pp + tg) / (t_pp + t_tg), "pp_steps": pp_steps, "tg_steps": tg_steps}
+            "speed": batch * (pp + tg) / (t_pp + t_tg), "pp_steps": pp_steps, "tg_steps": tg_steps,
+            "tg_outside_weights": outside}
 
 
 def run_child(fmt: str, batches: list[int], reps: int, kernels: str) -> dict:
@@ -125,7 +136,9 @@ def bound_line(rows: list[dict], bytes_per_token: float, bandwidth: float) -> st
         return None
     bound = bandwidth * 1e9 / bytes_per_token
     return (f"B=1: {bytes_per_token / 1e6:.0f} MB of weights per token, bound {bound:.1f} tok/s at "
-            f"{bandwidth:.1f} GB/s; S_TG {one[0]['speed_tg']:.1f} = {one[0]['speed_tg'] / bound:.0%} of it")
+            f"{bandwidth:.1f} GB/s; S_TG {one[0]['speed_tg']:.1f} = {one[0]['speed_tg'] / bound:.0%} of it"
+            + (f"; {one[0]['tg_outside_weights']:.1%} of a decode step outside the weight streaming"
+               if one[0].get("tg_outside_weights") is not None else ""))
 
 
 def main() -> None:

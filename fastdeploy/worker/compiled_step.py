@@ -36,6 +36,7 @@ _i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "int4": 1}
 # Where a step's time goes, as decoder_step.cc's Phase enum counts it (GEMMs: qkv, out, mlp, moe, head).
 PHASES = ("embed", "norm", "qkv", "rope", "attention", "out", "mlp", "activation", "moe", "head")
+WEIGHT_PHASES = ("qkv", "out", "mlp", "moe", "head")  # the phases that stream weights (GEMV / GEMM)
 
 
 # Mirrors of the structures in decoder_step.cc, field for field.
