@@ -259,7 +259,7 @@ def test_weight_only_linear_matches_reference(isa, fmt, k, n):
     rng = np.random.default_rng(k * n)
     w = rng.standard_normal((k, n), dtype=np.float32) * 0.05
     packed = ops.pack_weight(w, fmt)
-    for t in (1, 3, 23, 70):
+    for t in (1, 2, 3, 23, 70):
         x = tensor(rng.standard_normal((t, k), dtype=np.float32))
         assert_close(ops.weight_only_linear(x, packed), ops.weight_only_linear_reference(x, packed), 2e-5)
 
@@ -272,7 +272,8 @@ def test_weight_only_linear_rows_do_not_depend_on_batch_threads_or_isa(fmt):
     batch = ops.weight_only_linear(x, packed).numpy()
     for i in (0, 5, 28):
         np.testing.assert_array_equal(ops.weight_only_linear(x[i:i + 1], packed).numpy()[0], batch[i])
-    np.testing.assert_array_equal(ops.weight_only_linear(x[3:9], packed).numpy(), batch[3:9])
+    for lo, rows in ((1, 2), (7, 3), (3, 6)):  # 2 and 3 rows share each weight load (GEMV-shaped); 6 is a GEMM
+        np.testing.assert_array_equal(ops.weight_only_linear(x[lo:lo + rows], packed).numpy(), batch[lo:lo + rows])
     ops.set_num_threads(1)
     try:
         np.testing.assert_array_equal(ops.weight_only_linear(x, packed).numpy(), batch)
