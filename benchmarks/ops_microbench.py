@@ -81,6 +81,22 @@ def bench_gemv(rng: np.random.Generator) -> None:
         print(f"{f'{name} {k}x{n}':>22} " + " ".join(f"{c:>17}" for c in cells))
 
 
+def bench_gemv_rows(rng: np.random.Generator) -> None:
+    """A decode step of a few streams: T = 1..4 rows against weights read from DRAM. Rows up to three share
+    each weight load, so their time should stay near T = 1's; T = 4 is the first GEMM-shaped batch."""
+    name, k, n = GEMM_SHAPES[0]
+    print(f"\nGEMV rows, {name} {k}x{n}: us per call for T = 1 / 2 / 3 / 4 rows")
+    w = rng.standard_normal((k, n), dtype=np.float32) * 0.02
+    for fmt in ("bf16", "int8", "int4"):
+        _, reps = packed_copies(w, fmt)
+        cells = []
+        for t in (1, 2, 3, 4):
+            x = paddle.to_tensor(rng.standard_normal((t, k), dtype=np.float32))
+            cells.append(timeit(lambda i: ops.weight_only_linear(x, reps[i % len(reps)]), calls=len(reps) * 2))
+        print(f"{fmt:>6} " + " ".join(f"T={t}: {c * 1e6:6.0f}" for t, c in zip((1, 2, 3, 4), cells)))
+        del reps
+
+
 # Larger decode GEMVs (ERNIE-4.5-21B-A3B: attention/shared-MLP 2560 x 3072, an expert's 1536 x 2560,
 # the LM head 2560 x 103424), weight-only formats only.
 GEMV_LARGE_SHAPES = [("2560x3072", 2560, 3072), ("1536x2560", 1536, 2560), ("lm_head", 2560, 103424)]
@@ -265,7 +281,7 @@ def bench_pack(rng: np.random.Generator) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="gemv,gemv_large,gemm,accuracy,attention,elementwise,step,pack")
+    parser.add_argument("--only", default="gemv,gemv_rows,gemv_large,gemm,accuracy,attention,elementwise,step,pack")
     parser.add_argument("--threads", type=int, default=0, help="0: one per core")
     parser.add_argument("--isa", default="best", choices=["best", "avx512_bf16", "avx512", "avx2"])
     args = parser.parse_args()
@@ -275,7 +291,7 @@ def main() -> None:
     ops.set_isa(args.isa)
     print("compiled ops:", ops.runtime_info())
     rng = np.random.default_rng(0)
-    benches = {"gemv": bench_gemv, "gemv_large": bench_gemv_large, "gemm": bench_gemm, "accuracy": int8_accuracy, "attention": bench_attention,
+    benches = {"gemv": bench_gemv, "gemv_rows": bench_gemv_rows, "gemv_large": bench_gemv_large, "gemm": bench_gemm, "accuracy": int8_accuracy, "attention": bench_attention,
                "elementwise": bench_elementwise, "step": bench_model_step, "pack": bench_pack}
     for name in args.only.split(","):
         benches[name](rng)
