@@ -204,6 +204,10 @@ def main() -> None:
         print(json.dumps(run_child(args.child[0], args.child[1], args.child[2].split(","), args.isa)))
         return
 
+    for option, given, known in (("--workloads", args.workloads, WORKLOADS), ("--formats", args.formats, FORMATS)):
+        unknown = [name for name in given.split(",") if name and name not in known]
+        if unknown:
+            parser.error(f"{option}: unknown {unknown}; choose from {list(known)}")
     shape = SHAPES[args.model]
     layers = args.layers or shape.layers
     ckpt = CACHE / f"{args.model}-{layers}l"
