@@ -72,13 +72,13 @@ def with_logit_bias(logits: paddle.Tensor, step: SchedulerOutput) -> paddle.Tens
     return biased
 
 
-@paddle.no_grad()
 def with_forced_tokens(tokens: np.ndarray, step: SchedulerOutput) -> np.ndarray:
     """The sampled tokens with the forced ones put in their rows."""
     forced = step.forced_token_ids
     return np.where(forced >= 0, forced, tokens) if len(forced) else tokens
 
 
+@paddle.no_grad()
 def run_step(model: nn.Layer, inputs: ForwardBatch, block_size: int,
              kv_caches: Sequence[paddle.Tensor], vision: VisionCache | None = None) -> paddle.Tensor | None:
     """Forward the batch through the model (writing its K/V into the cache) and return the logits
@@ -216,7 +216,6 @@ class ModelRunner:
                     num_blocks * self._kv_block_bytes() / 2**20)
         return num_blocks
 
-    @paddle.no_grad()
     def execute(self, step: SchedulerOutput, wait_for_masks: Callable[[], object] | None = None) -> ModelRunnerOutput:
         """Forward and sample the step. `wait_for_masks`: returns once step.token_bitmask is filled (the engine
         computes the grammar masks while the forward runs)."""
