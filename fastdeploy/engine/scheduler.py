@@ -88,7 +88,6 @@ class SamplingPolicies:
         return cls(list(requests), columns, greedy, np.flatnonzero(~greedy).tolist(), penalized)
 
 
-
 class PolicyCache:
     """The SamplingPolicies of the last list of sampling requests seen."""
 
@@ -99,7 +98,8 @@ class PolicyCache:
 
     def get(self, requests: list[Request]) -> SamplingPolicies:
         last = self.last
-        if last is None or len(requests) != len(last.requests) or any(a is not b for a, b in zip(requests, last.requests)):
+        if (last is None or len(requests) != len(last.requests)
+                or any(a is not b for a, b in zip(requests, last.requests))):
             self.last = last = SamplingPolicies.of(requests)
         return last
 
