@@ -209,3 +209,7 @@ def test_kept_sampling_policies_give_what_the_arrays_give():
         assert kept.plain_greedy() == computed.plain_greedy(), [r.request_id for r in requests]
     assert [sampling_batch(c).plain_greedy() for c in cases] == [True, True, False, False, False, True, False]
     assert cache.get(cases[0]) is cache.get(list(cases[0]))  # kept while the same requests sample
+    cache.forget(cases[1][1])  # a request not in the kept list: kept
+    assert cache.last is not None
+    cache.forget(greedy)  # a finished request is not kept alive
+    assert cache.last is None

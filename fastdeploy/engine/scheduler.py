@@ -103,6 +103,11 @@ class PolicyCache:
             self.last = last = SamplingPolicies.of(requests)
         return last
 
+    def forget(self, request: Request) -> None:
+        """Drop the kept policies if they hold `request` (finished: not to be kept alive, media and all)."""
+        if self.last is not None and any(r is request for r in self.last.requests):
+            self.last = None
+
 
 def sampling_batch(requests: list[Request], policies: SamplingPolicies | None = None) -> SamplingBatch:
     """The sampling rows of `requests` (`policies`: their columns, if already built); each sampled
@@ -316,6 +321,7 @@ class Scheduler:
         """Finish the request and free its blocks. Finishing one already finished only changes its reason
         (a stop string found in the final text)."""
         request.finish(reason, stop_reason)
+        self._policies.forget(request)
         if self.requests.pop(request.request_id, None) is None:
             return
         if request in self.running:
