@@ -7,7 +7,8 @@
 GEMV (one token): GB/s of weight bytes streamed, at the ERNIE-4.5-0.3B shapes. Each shape gets enough
 distinct weight copies (>= 256 MB) that every call reads DRAM, not the 32 MB L3, as a real decode step
 through 18 layers does. GEMM: GFLOP/s for T = 16 / 128 / 2048 tokens. Attention: one decode step of
-16 requests x 512-token contexts (16 q heads, 2 kv heads, head_dim 128), per layer. Pack: GB/s of
+16 requests x 512-token contexts (16 q heads, 2 kv heads, head_dim 128), per layer; attention_long:
+one stream at 1k-8k contexts, K/V read from DRAM. Pack: GB/s of
 checkpoint bytes packed by ops.pack_into per source dtype, orientation and format. Timings are the
 median of repeats; this machine class is noisy, so compare within one run.
 """
@@ -189,6 +190,26 @@ def bench_attention(rng: np.random.Generator) -> None:
     print(f"  reference: {t * 1e3:7.3f} ms/layer (pure Paddle, one request at a time)")
 
 
+def bench_attention_long(rng: np.random.Generator) -> None:
+    """One decode stream at long contexts, 18 layers' bf16 caches cycled so that every K/V read comes from
+    DRAM, as in a real step (the weights streamed in between evict them)."""
+    h, kvh, d, bs, layers = 16, 2, 128, 64, 18
+    print(f"\nPaged attention, one decode stream, bf16 cache, {layers} layers cycled, H={h} KVH={kvh} D={d}")
+    for ctx in (1024, 4096, 8192):
+        blocks = ctx // bs
+        caches = [paddle.to_tensor(rng.standard_normal((2, (blocks + 4) * bs, kvh, d), dtype=np.float32))
+                  .astype("bfloat16") for _ in range(layers)]
+        tables = rng.permutation(blocks + 4)[:blocks].reshape(1, blocks).astype(np.int64)
+        q = paddle.to_tensor(rng.standard_normal((1, h, d), dtype=np.float32))
+        k, v = (paddle.to_tensor(rng.standard_normal((1, kvh, d), dtype=np.float32)) for _ in range(2))
+        meta = [paddle.to_tensor(tables[:, -1:] * bs + bs - 1), paddle.to_tensor(np.array([0, 1])),
+                paddle.to_tensor(np.array([ctx])), paddle.to_tensor(tables)]
+        t = timeit(lambda i: ops.paged_attention(q, k, v, caches[i % layers], *meta, bs, d ** -0.5), calls=layers * 4)
+        kv_bytes = ctx * kvh * d * 2 * 2
+        print(f"  ctx {ctx:5d}: {t * 1e6:7.0f} us/layer ({kv_bytes / t / 1e9:5.1f} GB/s of K/V)")
+        del caches
+
+
 def bench_elementwise(rng: np.random.Generator) -> None:
     print("\nElementwise, hidden 1024 / ffn 3072 / 16 heads x 128: compiled vs reference (us per call)")
     for t_rows in (1, 16, 2048):
@@ -281,7 +302,8 @@ def bench_pack(rng: np.random.Generator) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="gemv,gemv_rows,gemv_large,gemm,accuracy,attention,elementwise,step,pack")
+    parser.add_argument("--only", default="gemv,gemv_rows,gemv_large,gemm,accuracy,attention,attention_long,"
+                                          "elementwise,step,pack")
     parser.add_argument("--threads", type=int, default=0, help="0: one per core")
     parser.add_argument("--isa", default="best", choices=["best", "avx512_bf16", "avx512", "avx2"])
     args = parser.parse_args()
@@ -292,6 +314,7 @@ def main() -> None:
     print("compiled ops:", ops.runtime_info())
     rng = np.random.default_rng(0)
     benches = {"gemv": bench_gemv, "gemv_rows": bench_gemv_rows, "gemv_large": bench_gemv_large, "gemm": bench_gemm, "accuracy": int8_accuracy, "attention": bench_attention,
+               "attention_long": bench_attention_long,
                "elementwise": bench_elementwise, "step": bench_model_step, "pack": bench_pack}
     for name in args.only.split(","):
         benches[name](rng)
