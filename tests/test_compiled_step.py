@@ -14,7 +14,7 @@ from fastdeploy import ops
 from fastdeploy.model_executor.forward_context import allocate_kv_caches
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.model_config import ModelConfig
-from fastdeploy.worker.compiled_step import CompiledDecoder, unsupported_reason
+from fastdeploy.worker.compiled_step import CompiledDecoder, block_table_array, unsupported_reason
 from fastdeploy.worker.model_runner import run_step
 from fastdeploy.worker.step_types import ForwardBatch
 
@@ -118,6 +118,12 @@ def test_multimodal_steps_run_compiled_only_without_vision_rows() -> None:
     moved = ForwardBatch(text.token_ids, np.asarray([[7, 8], [7, 9], [7, 8]], np.int64), [2], [9], [[0]],
                          text.logit_rows, token_types=np.zeros(2, np.int64))
     assert CompiledDecoder.covers(moved) is None
+
+
+def test_block_tables_are_padded_to_the_widest() -> None:
+    np.testing.assert_array_equal(block_table_array([[3, 1], [7], []]), [[3, 1], [7, 0], [0, 0]])
+    np.testing.assert_array_equal(block_table_array([[2, 5], [4, 6]]), [[2, 5], [4, 6]])
+    assert block_table_array([[]]).shape == (1, 1) and block_table_array([[9]]).dtype == np.int64
 
 
 def test_bad_batch_is_a_clear_error() -> None:
