@@ -173,7 +173,8 @@ def main() -> None:
           f"kernels --isa {args.isa}; "
           f"CPU flags: {' '.join(flags) or 'no avx512'}", flush=True)
     print(f"# read bandwidth {bandwidth:.1f} GB/s; PP {PP}, TG {TG}, B {args.batches}", flush=True)
-    report = {"machine": {"cpu_flags": flags, "isa": isa(), "kernels": args.isa, "cores": os.cpu_count(), "bandwidth_gbs": bandwidth,
+    report = {"machine": {"cpu_flags": flags, "isa": isa(), "kernels": args.isa, "cores": os.cpu_count(),
+                          "bandwidth_gbs": bandwidth,
                           "date": time.strftime("%Y-%m-%d %H:%M")}, "ours": {}, "llama.cpp": {}}
     for fmt in formats:
         done = subprocess.run([sys.executable, __file__, "--child", fmt, "--batches", args.batches,

@@ -300,24 +300,30 @@ def bench_pack(rng: np.random.Generator) -> None:
             print(f"{name + ' ' + how:>22} " + " ".join(cells))
 
 
+BENCHES: dict[str, Callable[[np.random.Generator], None]] = {
+    "gemv": bench_gemv, "gemv_rows": bench_gemv_rows, "gemv_large": bench_gemv_large, "gemm": bench_gemm,
+    "accuracy": int8_accuracy, "attention": bench_attention, "attention_long": bench_attention_long,
+    "elementwise": bench_elementwise, "step": bench_model_step, "pack": bench_pack}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="gemv,gemv_rows,gemv_large,gemm,accuracy,attention,attention_long,"
-                                          "elementwise,step,pack")
+    parser.add_argument("--only", default=",".join(BENCHES), help=f"comma list of {list(BENCHES)}")
     parser.add_argument("--threads", type=int, default=0, help="0: one per core")
     parser.add_argument("--isa", default="best", choices=["best", "avx512_bf16", "avx512", "avx2"])
     args = parser.parse_args()
+    names = args.only.split(",")
+    unknown = [name for name in names if name not in BENCHES]
+    if unknown:
+        parser.error(f"--only: unknown {unknown}; choose from {list(BENCHES)}")
     if ops.library() is None:
         sys.exit("the compiled ops are unavailable on this machine (see the warning above)")
     ops.set_num_threads(args.threads)
     ops.set_isa(args.isa)
     print("compiled ops:", ops.runtime_info())
     rng = np.random.default_rng(0)
-    benches = {"gemv": bench_gemv, "gemv_rows": bench_gemv_rows, "gemv_large": bench_gemv_large, "gemm": bench_gemm, "accuracy": int8_accuracy, "attention": bench_attention,
-               "attention_long": bench_attention_long,
-               "elementwise": bench_elementwise, "step": bench_model_step, "pack": bench_pack}
-    for name in args.only.split(","):
-        benches[name](rng)
+    for name in names:
+        BENCHES[name](rng)
 
 
 if __name__ == "__main__":
