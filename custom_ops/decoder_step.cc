@@ -9,7 +9,6 @@
 #include <cstdlib>
 #include <chrono>
 #include <cstring>
-#include <vector>
 
 #include "fd_kernels.h"
 
@@ -281,18 +280,8 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
   kt.rms_norm(b.rows_y, b.rows_r, m.final_norm, b.rows_y, b.rows_r, s.R, H, m.eps);
   kt.linear(LinearArgs{b.rows_y, m.lm_head.w, m.lm_head.scales, s.logits, s.R, m.lm_head.K, m.lm_head.N,
                        m.lm_head.fmt});
-  if (s.argmax != nullptr) {
-    // Plain greedy rows (no bans or penalties: every id range empty), while the logits are still in cache.
-    std::vector<double> params(static_cast<size_t>(s.R * kSampleCols), 0.0);
-    for (int64_t r = 0; r < s.R; ++r) {
-      params[r * kSampleCols + kRepetition] = 1.0;
-      params[r * kSampleCols + kGreedy] = 1.0;
-    }
-    std::vector<int64_t> offsets(static_cast<size_t>(3 * s.R + 1), 0);
-    std::vector<float> tau(static_cast<size_t>(s.R));
-    kt.sample(SampleArgs{s.logits, offsets.data(), offsets.data(), params.data(), s.argmax, tau.data(), s.R,
-                         m.lm_head.N});
-  }
+  // Plain greedy rows (no bans or penalties), taken while the logits are still in cache.
+  if (s.argmax != nullptr) kt.argmax(s.logits, s.R, m.lm_head.N, s.argmax);
   clock.mark(kHead);
   return 0;
 }

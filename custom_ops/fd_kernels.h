@@ -113,6 +113,7 @@ struct KernelTable {
   void (*attention)(const AttentionArgs& a);
   void (*linear)(const LinearArgs& a);
   void (*sample)(const SampleArgs& a);
+  void (*argmax)(const float* logits, int64_t B, int64_t V, int64_t* out);  // numpy's, per row
   void (*pack)(const PackArgs& a);
   void (*moe)(const MoeArgs& a);
   void (*quick_gelu)(const float* x, float* out, int64_t n);

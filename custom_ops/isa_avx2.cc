@@ -38,7 +38,7 @@ constexpr int kInt4Rows = 2, kInt4Panels = 1;
 
 const KernelTable& avx2_kernels() {
   static const KernelTable table{"avx2", avx2::rms_norm, avx2::silu_mul, avx2::rotary, avx2::attention,
-                                 avx2::linear, avx2::sample, avx2::pack, avx2::moe,
+                                 avx2::linear, avx2::sample, avx2::argmax, avx2::pack, avx2::moe,
                                  avx2::quick_gelu};
   return table;
 }

@@ -39,7 +39,7 @@ constexpr int kInt4Rows = 4, kInt4Panels = 2;
 
 const KernelTable& avx512_kernels() {
   static const KernelTable table{"avx512", avx512::rms_norm, avx512::silu_mul, avx512::rotary, avx512::attention,
-                                 avx512::linear, avx512::sample, avx512::pack, avx512::moe,
+                                 avx512::linear, avx512::sample, avx512::argmax, avx512::pack, avx512::moe,
                                  avx512::quick_gelu};
   return table;
 }
