@@ -25,6 +25,7 @@ constexpr bool kGemvGuided = true;   // GEMV threads take guided (contiguous) ru
 constexpr int kDenseRows = 6, kDensePanels = 1;
 constexpr int kInt8Rows = 2, kInt8Panels = 1;
 constexpr int kAttnRows = 1;  // query rows per attention register block
+constexpr int kAttnWidenBlocks = 4;  // widen bf16 K/V once per chunk from this many blocks (kern_attention.inc)
 constexpr int kInt4Rows = 2, kInt4Panels = 1;
 
 #include "kern_elementwise.inc"
