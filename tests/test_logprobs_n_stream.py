@@ -9,6 +9,7 @@ import pytest
 from conftest import REFERENCE
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
+from fastdeploy.worker.model_runner import log_softmax as runner_log_softmax
 
 PROMPTS = [[17, 250, 33, 480, 91, 700, 12, 5], [9, 8, 7], list(range(40, 75))]
 
@@ -35,6 +36,14 @@ def full_logits(llm, tokens):
 def log_softmax(x):
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_log_softmax_is_exact_far_below_the_maximum():
+    """Paddle's CPU log_softmax floors values at about -64; the runner's must not."""
+    logits = np.array([[0.0, -100.0, -np.inf, 3.0, -70.0], [5.0, 4.0, 3.0, -1e4, 0.0]], dtype=np.float32)
+    got = runner_log_softmax(logits)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, log_softmax(logits.astype(np.float64)), rtol=1e-6)
 
 
 @pytest.mark.parametrize("k", [0, 1, 5])

@@ -276,3 +276,19 @@ def test_a_tokenizer_json_model_obeys_constraints_too(kind):
     outputs = llm.generate(PROMPTS[:2], SamplingParams(n=4, temperature=1.0, seed=6, max_tokens=120,
                                                        guided_decoding=spec), use_tqdm=False)
     check_all(outputs, validate)
+
+
+def test_logprobs_of_disallowed_tokens_are_minus_inf(tiny_hf):
+    """The whole vocabulary's logprobs under a grammar: the allowed tokens share all the mass, each
+    disallowed one is exactly -inf (never a floor such as -64)."""
+    llm = LLM(model=tiny_hf, max_model_len=256, max_logprobs=-1)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=-1,
+                            guided_decoding=GuidedDecodingParams(choice=CHOICES))
+    out = llm.generate(["Pick one:"], params, use_tqdm=False)[0]
+    assert out.outputs.text in CHOICES
+    for token, entry in zip(out.outputs.token_ids, out.outputs.logprobs):
+        values = np.array([lp.logprob for lp in entry.values()])
+        allowed = np.isfinite(values)
+        assert np.isneginf(values[~allowed]).any() and allowed.any()
+        assert np.exp(values[allowed].astype(np.float64)).sum() == pytest.approx(1.0, abs=1e-4)
+        assert np.isfinite(entry[token].logprob)

@@ -74,6 +74,19 @@ def test_guided_extras_on_both_endpoints(server, extra, validate):
         validate(text)
 
 
+def test_logprobs_of_disallowed_tokens_are_json_numbers(server):
+    """A grammar leaves most tokens at logprob -inf, which JSON cannot carry: they come as -9999.0 (as
+    vLLM's server sends them), in the chat and the completions form."""
+    response = chat(server, logprobs=True, top_logprobs=20, max_tokens=8, extra_body={"guided_choice": CHOICES})
+    assert response.choices[0].message.content in CHOICES
+    chat_values = [top.logprob for item in response.choices[0].logprobs.content for top in item.top_logprobs]
+    completion = server.client().completions.create(model="tiny", prompt="Answer:", temperature=0, max_tokens=8,
+                                                    logprobs=5, extra_body={"guided_choice": CHOICES})
+    completion_values = [v for top in completion.choices[0].logprobs.top_logprobs for v in top.values()]
+    for values in (chat_values, completion_values):
+        assert min(values) == -9999.0 and max(values) <= 0.0
+
+
 @pytest.mark.parametrize("body, field", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "response_format"),

@@ -23,7 +23,7 @@ from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
 from fastdeploy.ops.sampling import Sampler
-from fastdeploy.ops.token_bitmask import apply_token_bitmask_
+from fastdeploy.ops.token_bitmask import apply_token_bitmask_, logits_view
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
 from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, TopLogprobs, VisionSlice
@@ -32,6 +32,13 @@ from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_si
 logger = logging.getLogger(__name__)
 
 ACTIVATION_RESERVE = 0.1  # share of the memory budget kept for activations
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Rows of float32 log-probabilities, exact down to -inf (a token the grammar disallows). Not Paddle's
+    CPU log_softmax: that one floors every value at about -64."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
 
 
 def top_logprobs(logp: np.ndarray, k: int, target: int) -> TopLogprobs:
@@ -234,16 +241,18 @@ class ModelRunner:
             tokens = with_forced_tokens(tokens, step)
         output = ModelRunnerOutput(tokens)
         if len(step.logprob_rows) or len(step.prompt_logprob_k):
-            # Raw log-softmax of the model's logits (before penalties and temperature).
-            logp = paddle.nn.functional.log_softmax(logits, axis=-1).numpy()
-            if len(step.logprob_temperature):  # some rows asked for temp-scaled / top-p-normalised ones
-                raw = logits.numpy()
-                for j, t, p in zip(step.logprob_rows, step.logprob_temperature, step.logprob_top_p):
-                    if t != 1.0 or p < 1.0:
-                        logp[j] = transformed_logprobs(raw[j], float(t), float(p))
-            output.logprobs = [top_logprobs(logp[j], int(k), int(tokens[j]))
-                               for j, k in zip(step.logprob_rows, step.logprob_k)]
-            output.prompt_logprobs = [top_logprobs(logp[num_samples + i], int(k), int(target)) for i, (k, target)
+            # Raw log-softmax of the model's logits (before penalties and temperature), of the rows that
+            # want it: the sampling rows asking for logprobs, then the prompt rows.
+            raw = logits_view(logits)  # no copy
+            rows = np.concatenate([step.logprob_rows, num_samples + np.arange(len(step.prompt_logprob_k))])
+            logp = log_softmax(raw[rows])
+            for i, (j, t, p) in enumerate(zip(step.logprob_rows, step.logprob_temperature, step.logprob_top_p)):
+                if t != 1.0 or p < 1.0:  # temp_scaled_logprobs / top_p_normalized_logprobs
+                    logp[i] = transformed_logprobs(raw[j], float(t), float(p))
+            n = len(step.logprob_rows)
+            output.logprobs = [top_logprobs(logp[i], int(k), int(tokens[j]))
+                               for i, (j, k) in enumerate(zip(step.logprob_rows, step.logprob_k))]
+            output.prompt_logprobs = [top_logprobs(logp[n + i], int(k), int(target)) for i, (k, target)
                                       in enumerate(zip(step.prompt_logprob_k, step.prompt_logprob_targets))]
         return output
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -160,6 +161,11 @@ def usage(requests: Sequence[Request], per_prompt: int) -> dict[str, Any]:
     completion = sum(r.num_output_tokens for r in requests)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in requests[::per_prompt])}}
+
+
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (a token the grammar disallowed) as -9999.0, as vLLM's server sends it."""
+    return -9999.0 if value == -math.inf else value
 
 
 def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

@@ -16,7 +16,7 @@ from fastdeploy.engine.request import Logprob, Request, RequestOutput
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
     SSE_DONE, APIError, Choice, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
-    sse, submit, top_entries, usage)
+    json_logprob, sse, submit, top_entries, usage)
 from fastdeploy.engine.sampling_params import GuidedDecodingParams, SamplingParams
 from fastdeploy.tool_parsers import check_tool_choice, check_tools, join_call_deltas, known_tool_parsers
 from fastdeploy.tool_parsers.forced import forced_call_parser, forced_call_schema
@@ -26,7 +26,7 @@ from fastdeploy.tool_parsers.parsers import ToolParser
 def _token_logprob(token: int, entry: dict[int, Logprob], k: int) -> dict[str, Any]:
     def item(lp: Logprob) -> dict[str, Any]:
         text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": json_logprob(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
     return {**item(entry[token]), "top_logprobs": [item(lp) for _, lp in top_entries(entry, k)]}
 

@@ -17,7 +17,7 @@ from fastdeploy.entrypoints.multimodal import Prepared
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
     SSE_DONE, APIError, Choice, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
-    sse, submit, top_entries, usage)
+    json_logprob, sse, submit, top_entries, usage)
 
 
 def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prepared]:
@@ -39,8 +39,9 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
         tokens.append(entry[t].decoded_token or "")
         offsets.append(offset)
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in zip(token_ids, entries)],
-            "top_logprobs": [{lp.decoded_token or "": lp.logprob for _, lp in top_entries(e, k)} for e in entries],
+    return {"tokens": tokens, "token_logprobs": [json_logprob(e[t].logprob) for t, e in zip(token_ids, entries)],
+            "top_logprobs": [{lp.decoded_token or "": json_logprob(lp.logprob) for _, lp in top_entries(e, k)}
+                             for e in entries],
             "text_offset": offsets}
 
 
