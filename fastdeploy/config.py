@@ -21,6 +21,7 @@ MAX_NUM_SEQS_LIMIT = 256
 DEFAULT_CHUNKED_BUDGET = 2048  # FastDeploy's token budget when chunked prefill is on
 DEFAULT_KV_CACHE_RATIO = 0.75
 LOAD_CHOICES = ("default", "default_v1")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None, allow_none: bool = False) -> None:
@@ -117,6 +118,10 @@ class EngineConfig:
     max_logprobs: int = param(20, "largest logprobs a request may ask for (-1: whole vocabulary)")
     enable_logprob: bool = param(
         False, "FastDeploy's logprobs switch; logprobs are always available here, so either value is accepted")
+    logprobs_mode: str = param(
+        "raw_logprobs", "what logprobs report: raw_logprobs, raw_logits (the model's), processed_logprobs or "
+                        "processed_logits (what the sampler drew from: after bans, logit bias, penalties, "
+                        "temperature and top_k / top_p / min_p)")
     served_model_name: str | None = param(None, "the model's name in the OpenAI API (default: the model argument)")
     lm_head_fp32: bool = param(False, "hold the embedding / LM head table in float32 and compute the logits in float32")
     load_choices: str = param("default_v1", "FastDeploy's weight loader: default or default_v1 (both load the same here)")
@@ -196,6 +201,8 @@ class EngineConfig:
     def _check_fastdeploy_switches(self) -> None:
         _check_bool("enable_logprob", self.enable_logprob)
         _check_bool("lm_head_fp32", self.lm_head_fp32)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.load_choices not in LOAD_CHOICES:
             raise ValueError(f"load_choices must be one of {list(LOAD_CHOICES)}, got {self.load_choices!r}")
         if self.served_model_name is not None and (not isinstance(self.served_model_name, str)

@@ -17,7 +17,7 @@ NOT_IMPLEMENTED: dict[str, Any] = {
     "tool_parser_plugin": None, "logits_processors": None, "dynamic_load_weight": False, "load_strategy": "normal",
     "rsync_config": None, "speculative_config": None, "graph_optimization_config": None,
     "plas_attention_config": None, "enable_early_stop": False, "early_stop_config": None,
-    "enable_keep_sampling_mask": False, "logprobs_mode": "raw_logprobs", "enable_entropy": False,
+    "enable_keep_sampling_mask": False, "enable_entropy": False,
     "use_cudagraph": False,
     # multimodal caches
     "max_encoder_cache": -1, "max_processor_cache": -1, "disable_chunked_mm_input": False,

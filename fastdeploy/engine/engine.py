@@ -133,6 +133,9 @@ class LLMEngine:
             k = getattr(params, name)
             if k is not None and cfg.max_logprobs != -1 and (k == -1 or k > cfg.max_logprobs):
                 return f"{name}={k} is more than max_logprobs={cfg.max_logprobs}"
+        if cfg.logprobs_mode != "raw_logprobs" and (params.temp_scaled_logprobs or params.top_p_normalized_logprobs):
+            return (f"temp_scaled_logprobs / top_p_normalized_logprobs transform raw logprobs; this engine reports "
+                    f"logprobs_mode={cfg.logprobs_mode!r} (they need 'raw_logprobs')")
         ids = (params.stop_token_ids or []) + (params.bad_words_token_ids or []) + list(params.logit_bias)
         bad = [t for t in ids if t >= self.vocab_size]
         if bad:

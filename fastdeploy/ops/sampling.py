@@ -182,11 +182,16 @@ class Sampler:
         self.use_compiled = use_compiled
         self._scratch = Scratch()
 
-    def __call__(self, logits: paddle.Tensor | np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    def __call__(self, logits: paddle.Tensor | np.ndarray, batch: SamplingBatch,
+                 thresholds: np.ndarray | None = None) -> np.ndarray:
+        """One token per row. `thresholds` (float32 [B]), if given, receives each sampled row's filter
+        threshold (it kept logit / temperature >= it) and NaN for greedy rows."""
         view = _as_array(logits)
         if len(batch) != view.shape[0]:
             raise ValueError(f"the batch has {len(batch)} rows (temperature, top_p, ...) but the logits have "
                              f"{view.shape[0]}")
+        if thresholds is not None:
+            thresholds[:] = np.nan
         if batch.plain_greedy():
             # Plain argmax: numpy's takes the first maximum and the first NaN, as the op's greedy rows do,
             # without the op's ~0.2 ms of argument packing per step.
@@ -194,9 +199,12 @@ class Sampler:
         greedy = batch.greedy_mask()
         lib = compiled(self.use_compiled)
         if lib is None:
-            return sample_numpy(view, batch, greedy, batch.uniforms, self._scratch)
+            return sample_numpy(view, batch, greedy, batch.uniforms, self._scratch, thresholds)
         table = np.column_stack([greedy if name == "greedy" else getattr(batch, name) for name in PARAM_COLUMNS])
         ids, offsets = pack_token_ids(batch, view.shape[1])
         # A float32 paddle tensor goes to the op as it is: wrapping the numpy view again costs time.
         as_is = isinstance(logits, paddle.Tensor) and logits.dtype == paddle.float32
-        return _run(lib, logits if as_is else view, table.astype(np.float64), ids, offsets, False)
+        tokens, tau = _run(lib, logits if as_is else view, table.astype(np.float64), ids, offsets, True)
+        if thresholds is not None:
+            thresholds[:] = tau
+        return tokens

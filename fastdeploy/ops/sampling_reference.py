@@ -208,6 +208,21 @@ def _ban_and_penalise(x: np.ndarray, batch: SamplingBatch, rows: np.ndarray) -> 
         frequency_presence_penalty_(x, sub[i], t, fp, pp)
 
 
+def processed_logits(view: np.ndarray, batch: SamplingBatch, rows: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """The logits batch rows `rows` were sampled from (float32 [len(rows), V]; `view` is not written): bans
+    at -inf and penalties, then for sampled rows divided by the temperature, the tokens below the row's
+    filter threshold (the sampler's `thresholds`, per batch row) at -inf. Greedy rows stop after the
+    penalties (vLLM's processed logits)."""
+    x = view[rows]  # a copy
+    _ban_and_penalise(x, batch, rows)
+    sampled = np.flatnonzero(~batch.greedy_mask()[rows])
+    if sampled.size:
+        scaled = x[sampled] / batch.temperature[rows[sampled]][:, None]
+        tau = thresholds[rows[sampled]]
+        x[sampled] = np.where(scaled >= tau[:, None], scaled, -np.inf)
+    return x
+
+
 def sample_numpy(view: np.ndarray, batch: SamplingBatch, greedy: np.ndarray, uniforms: np.ndarray,
                  scratch: Scratch | None = None, thresholds: np.ndarray | None = None) -> np.ndarray:
     """The numpy sampler: one token per row of the float32 [B, V] logits `view` (never written).

@@ -23,6 +23,7 @@ from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
 from fastdeploy.ops.sampling import Sampler
+from fastdeploy.ops.sampling_reference import processed_logits
 from fastdeploy.ops.token_bitmask import apply_token_bitmask_, logits_view
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
@@ -236,25 +237,39 @@ class ModelRunner:
             if wait_for_masks is not None:
                 wait_for_masks()
             apply_token_bitmask_(logits, step.guided_rows, step.token_bitmask)
+        sampled_from, thresholds = None, None
         if num_samples:
-            tokens = self.sampler(with_logit_bias(logits[:num_samples], step), step.sampling)
-            tokens = with_forced_tokens(tokens, step)
+            sampled_from = with_logit_bias(logits[:num_samples], step)
+            if self.config.logprobs_mode.startswith("processed") and len(step.logprob_rows):
+                thresholds = np.empty(num_samples, dtype=np.float32)
+            tokens = with_forced_tokens(self.sampler(sampled_from, step.sampling, thresholds), step)
         output = ModelRunnerOutput(tokens)
         if len(step.logprob_rows) or len(step.prompt_logprob_k):
-            # Raw log-softmax of the model's logits (before penalties and temperature), of the rows that
-            # want it: the sampling rows asking for logprobs, then the prompt rows.
-            raw = logits_view(logits)  # no copy
-            rows = np.concatenate([step.logprob_rows, num_samples + np.arange(len(step.prompt_logprob_k))])
-            logp = log_softmax(raw[rows])
-            for i, (j, t, p) in enumerate(zip(step.logprob_rows, step.logprob_temperature, step.logprob_top_p)):
-                if t != 1.0 or p < 1.0:  # temp_scaled_logprobs / top_p_normalized_logprobs
-                    logp[i] = transformed_logprobs(raw[j], float(t), float(p))
-            n = len(step.logprob_rows)
-            output.logprobs = [top_logprobs(logp[i], int(k), int(tokens[j]))
-                               for i, (j, k) in enumerate(zip(step.logprob_rows, step.logprob_k))]
-            output.prompt_logprobs = [top_logprobs(logp[n + i], int(k), int(target)) for i, (k, target)
-                                      in enumerate(zip(step.prompt_logprob_k, step.prompt_logprob_targets))]
+            output.logprobs, output.prompt_logprobs = self._logprobs(step, logits, sampled_from, thresholds, tokens)
         return output
+
+    def _logprobs(self, step: SchedulerOutput, logits: paddle.Tensor, sampled_from: paddle.Tensor | np.ndarray | None,
+                  thresholds: np.ndarray | None, tokens: np.ndarray) -> tuple[list[TopLogprobs], list[TopLogprobs]]:
+        """The entries of the sampling rows asking for logprobs and of the prompt rows, as logprobs_mode says:
+        raw (the model's logits; a grammar's mask included, as in vLLM) or, for sampling rows, processed (what
+        the sampler drew from: `sampled_from` with bans, penalties, temperature and the rows' `thresholds`);
+        prompt rows are always raw (nothing processes a prompt position)."""
+        raw = logits_view(logits)  # no copy
+        if thresholds is not None:
+            view = sampled_from if isinstance(sampled_from, np.ndarray) else raw[:step.num_samples]
+            sample = processed_logits(view, step.sampling, step.logprob_rows, thresholds)
+        else:
+            sample = raw[step.logprob_rows]
+        prompt = raw[step.num_samples + np.arange(len(step.prompt_logprob_k))]
+        if self.config.logprobs_mode.endswith("logprobs"):
+            sample, prompt = log_softmax(sample), log_softmax(prompt)
+        for i, (j, t, p) in enumerate(zip(step.logprob_rows, step.logprob_temperature, step.logprob_top_p)):
+            if t != 1.0 or p < 1.0:  # temp_scaled_logprobs / top_p_normalized_logprobs (raw_logprobs only)
+                sample[i] = transformed_logprobs(raw[j], float(t), float(p))
+        return ([top_logprobs(sample[i], int(k), int(tokens[j]))
+                 for i, (j, k) in enumerate(zip(step.logprob_rows, step.logprob_k))],
+                [top_logprobs(prompt[i], int(k), int(target))
+                 for i, (k, target) in enumerate(zip(step.prompt_logprob_k, step.prompt_logprob_targets))])
 
     def _compiled_greedy(self, step: SchedulerOutput) -> np.ndarray | None:
         """The step's sampled tokens when the compiled step runs it, every row is plain greedy (what the
