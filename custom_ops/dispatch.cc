@@ -63,7 +63,7 @@ void* scratch(int slot, int64_t bytes) {
     int64_t size = 0;
     ~Buffer() { std::free(p); }
   };
-  constexpr int kSlots = 16;  // 0-7: the other kernels; 8-13: moe
+  constexpr int kSlots = 16;  // 0-7: the other kernels; 8-13: moe; 14-15: attention's calling thread
   thread_local Buffer buffers[kSlots];
   Buffer& b = buffers[slot];
   if (b.size < bytes) {

@@ -89,6 +89,8 @@ ATTENTION_CASES = [
     (8, 1, 128, 16, [130], [200]),  # a prefill chunk longer than one work tile, with cached prefix
     (8, 2, 64, 64, [0, 5, 0, 2], [9, 5, 30, 2]),  # requests with no new tokens in the step
     (4, 2, 16, 16, [1, 9], [33, 9]),  # the tiny test checkpoints' head_dim
+    (16, 2, 128, 64, [1], [2600]),  # one long decode: its 1024-position spans shared out to the threads
+    (16, 2, 128, 64, [1, 24], [2600, 1040]),  # long contexts in a batch, a prefill chunk across a span edge
 ]
 
 
@@ -114,6 +116,28 @@ def test_paged_attention_skips_negative_slots():
     ref, ref_cache = run_attention(batch, ops.paged_attention_reference)
     np.testing.assert_array_equal(cache.numpy(), ref_cache.numpy())
     assert_close(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_long_contexts_do_not_depend_on_the_batch(cache_dtype):
+    """Contexts of several spans: alone (a lone decode runs its spans as separate work items, folded
+    afterwards), together (each item folds its spans itself) or on one thread, the same bits."""
+    rng = np.random.default_rng(8)
+    batch = make_batch(rng, 16, 2, 128, 64, [1, 24, 1], [2600, 1040, 3100])
+    run = functools.partial(run_attention, cache_dtype=cache_dtype)
+    together, _ = run(batch)
+    starts = batch["meta"][1]
+    for b in range(3):
+        lo, hi = int(starts[b]), int(starts[b + 1])
+        alone = dict(batch, q=batch["q"][lo:hi], k=batch["k"][lo:hi], v=batch["v"][lo:hi],
+                     meta=[batch["meta"][0][lo:hi], np.array([0, hi - lo]), batch["meta"][2][b:b + 1],
+                           batch["meta"][3][b:b + 1]])
+        np.testing.assert_array_equal(run(alone)[0].numpy(), together.numpy()[lo:hi])
+    ops.set_num_threads(1)
+    try:
+        np.testing.assert_array_equal(run(batch)[0].numpy(), together.numpy())
+    finally:
+        ops.set_num_threads(0)
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
