@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 # The checkout's custom_ops/ (editable installs), else the copy setup.py ships in the package.
 _CHECKOUT_SOURCES = Path(__file__).resolve().parents[2] / "custom_ops"
 SOURCE_DIR = _CHECKOUT_SOURCES if _CHECKOUT_SOURCES.is_dir() else Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops_paddle.cc", "ops_paddle_packed.cc", "dispatch.cc", "embedding.cc", "decoder_step.cc", "isa_avx512.cc", "isa_avx2.cc")
+SOURCES = ("ops_paddle.cc", "ops_paddle_packed.cc", "dispatch.cc", "embedding.cc", "decoder_step.cc", "isa_avx512.cc",
+           "isa_avx2.cc")
 LIB_NAME = "fastdeploy_cpu_ops"
 # -ffp-contract=off: only the kernels' explicit FMAs fuse, so results match the references' rounding
 # where intended and are identical across the AVX2 and AVX-512 builds. -g0 overrides setuptools' -g.
