@@ -118,26 +118,30 @@ def test_paged_attention_skips_negative_slots():
     assert_close(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
-def test_long_contexts_do_not_depend_on_the_batch(cache_dtype):
-    """Contexts of several spans: alone (a lone decode runs its spans as separate work items, folded
-    afterwards), together (each item folds its spans itself) or on one thread, the same bits."""
-    rng = np.random.default_rng(8)
-    batch = make_batch(rng, 16, 2, 128, 64, [1, 24, 1], [2600, 1040, 3100])
-    run = functools.partial(run_attention, cache_dtype=cache_dtype)
-    together, _ = run(batch)
+def assert_batch_invariant(batch, run) -> np.ndarray:
+    """Each request alone, and the whole batch on one thread, give the batch's bits; returns its output."""
+    together = run(batch)[0].numpy()
     starts = batch["meta"][1]
-    for b in range(3):
+    for b in range(len(starts) - 1):
         lo, hi = int(starts[b]), int(starts[b + 1])
         alone = dict(batch, q=batch["q"][lo:hi], k=batch["k"][lo:hi], v=batch["v"][lo:hi],
                      meta=[batch["meta"][0][lo:hi], np.array([0, hi - lo]), batch["meta"][2][b:b + 1],
                            batch["meta"][3][b:b + 1]])
-        np.testing.assert_array_equal(run(alone)[0].numpy(), together.numpy()[lo:hi])
+        np.testing.assert_array_equal(run(alone)[0].numpy(), together[lo:hi])
     ops.set_num_threads(1)
     try:
-        np.testing.assert_array_equal(run(batch)[0].numpy(), together.numpy())
+        np.testing.assert_array_equal(run(batch)[0].numpy(), together)
     finally:
         ops.set_num_threads(0)
+    return together
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_long_contexts_do_not_depend_on_the_batch(cache_dtype):
+    """Contexts of several spans: alone (a lone decode runs its spans as separate work items, folded
+    afterwards), together (each item folds its spans itself) or on one thread, the same bits."""
+    batch = make_batch(np.random.default_rng(8), 16, 2, 128, 64, [1, 24, 1], [2600, 1040, 3100])
+    assert_batch_invariant(batch, functools.partial(run_attention, cache_dtype=cache_dtype))
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
@@ -145,16 +149,8 @@ def test_paged_attention_output_does_not_depend_on_the_batch(cache_dtype):
     """Each request alone, its prefill split into two chunks, 1 or 2 threads: the same bits."""
     rng = np.random.default_rng(5)
     batch = make_batch(rng, 16, 2, 128, 16, [1, 40, 1, 3], [77, 40, 16, 50])
-    run = functools.partial(run_attention, cache_dtype=cache_dtype)
-    together, _ = run(batch)
+    together = assert_batch_invariant(batch, functools.partial(run_attention, cache_dtype=cache_dtype))
     starts = batch["meta"][1]
-    for b in range(4):
-        lo, hi = int(starts[b]), int(starts[b + 1])
-        alone = dict(batch, q=batch["q"][lo:hi], k=batch["k"][lo:hi], v=batch["v"][lo:hi],
-                     meta=[batch["meta"][0][lo:hi], np.array([0, hi - lo]), batch["meta"][2][b:b + 1],
-                           batch["meta"][3][b:b + 1]])
-        out, _ = run(alone)
-        np.testing.assert_array_equal(out.numpy(), together.numpy()[lo:hi])
     # request 1's 40-token prefill as chunks of 25 then 15 (the second sees the first's K/V in the cache)
     lo = int(starts[1])
     first = dict(batch, q=batch["q"][lo:lo + 25], k=batch["k"][lo:lo + 25], v=batch["v"][lo:lo + 25],
@@ -165,13 +161,7 @@ def test_paged_attention_output_does_not_depend_on_the_batch(cache_dtype):
     out2 = ops.paged_attention(*(tensor(batch[n][lo + 25:lo + 40]) for n in "qkv"), cache,
                                tensor(batch["meta"][0][lo + 25:lo + 40]), tensor(np.array([0, 15])),
                                tensor(np.array([40])), tensor(batch["meta"][3][1:2]), 16, batch["scale"])
-    np.testing.assert_array_equal(np.concatenate([out1.numpy(), out2.numpy()]), together.numpy()[lo:lo + 40])
-    ops.set_num_threads(1)
-    try:
-        single, _ = run(batch)
-    finally:
-        ops.set_num_threads(0)
-    np.testing.assert_array_equal(single.numpy(), together.numpy())
+    np.testing.assert_array_equal(np.concatenate([out1.numpy(), out2.numpy()]), together[lo:lo + 40])
 
 
 def test_paged_attention_rejects_bad_input():
