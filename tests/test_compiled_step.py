@@ -11,10 +11,10 @@ import paddle
 import pytest
 
 from fastdeploy import ops
-from fastdeploy.model_executor.forward_context import allocate_kv_caches
+from fastdeploy.model_executor.forward_context import allocate_kv_caches, block_table_array
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.model_config import ModelConfig
-from fastdeploy.worker.compiled_step import CompiledDecoder, block_table_array, unsupported_reason
+from fastdeploy.worker.compiled_step import CompiledDecoder, unsupported_reason
 from fastdeploy.worker.model_runner import run_step
 from fastdeploy.worker.step_types import ForwardBatch
 

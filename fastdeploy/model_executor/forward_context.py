@@ -56,17 +56,24 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     return [paddle.empty(shape, dtype=dtype) for _ in range(num_layers)]
 
 
+def block_table_array(tables: Sequence[Sequence[int]]) -> np.ndarray:
+    """int64 [B, widest table] of the requests' block tables, zero-padded."""
+    width = max(max(map(len, tables), default=0), 1)
+    if all(len(t) == width for t in tables):
+        return np.array(tables, dtype=np.int64).reshape(len(tables), width)
+    out = np.zeros((len(tables), width), dtype=np.int64)
+    for b, table in enumerate(tables):
+        out[b, :len(table)] = table
+    return out
+
+
 def attention_metadata(query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
                        block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """query_lens[b] new tokens of request b are the last ones of its context_lens[b] tokens. Returns
     int64 arrays: slot_mapping [T], query_start_loc [B+1], context_lens [B], block_tables [B, max_blocks]."""
     q_lens = np.asarray(query_lens, dtype=np.int64)
     c_lens = np.asarray(context_lens, dtype=np.int64)
-    n_blocks = max(-(-int(c_lens.max()) // block_size), 1)
-    tables = np.zeros((len(q_lens), n_blocks), dtype=np.int64)
-    for b, table in enumerate(block_tables):
-        used = min(len(table), n_blocks)
-        tables[b, :used] = table[:used]
+    tables = block_table_array(block_tables)
     # Context position of every new token, then its slot through the request's block table.
     rows = np.repeat(np.arange(len(q_lens)), q_lens)
     starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)

@@ -24,6 +24,7 @@ from paddle import nn
 
 from fastdeploy import ops
 from fastdeploy.ops.build import OpsLibrary
+from fastdeploy.model_executor.forward_context import block_table_array
 from fastdeploy.model_executor.layers.linear import GatedMLP
 from fastdeploy.model_executor.layers.moe import SparseMoE
 from fastdeploy.model_executor.layers.moe_multimodal import MultimodalMoE
@@ -66,17 +67,6 @@ class _Batch(ctypes.Structure):
     _fields_ = [("ids", _ptr), ("positions", _ptr), ("q_lens", _ptr), ("ctx_lens", _ptr),
                 ("blocks", _ptr), ("logit_rows", _ptr), ("logits", _ptr), ("T", _i64), ("B", _i64),
                 ("max_blocks", _i64), ("R", _i64), ("argmax", _ptr)]
-
-
-def block_table_array(tables: Sequence[Sequence[int]]) -> np.ndarray:
-    """int64 [B, widest table] of the requests' block tables, zero-padded."""
-    width = max(max(map(len, tables), default=0), 1)
-    if all(len(t) == width for t in tables):
-        return np.array(tables, dtype=np.int64).reshape(len(tables), width)
-    out = np.zeros((len(tables), width), dtype=np.int64)
-    for b, table in enumerate(tables):
-        out[b, :len(table)] = table
-    return out
 
 
 def _address(t: paddle.Tensor | None) -> int | None:
