@@ -204,7 +204,7 @@ class Sampler:
         ids, offsets = pack_token_ids(batch, view.shape[1])
         # A float32 paddle tensor goes to the op as it is: wrapping the numpy view again costs time.
         as_is = isinstance(logits, paddle.Tensor) and logits.dtype == paddle.float32
-        tokens, tau = _run(lib, logits if as_is else view, table.astype(np.float64), ids, offsets, True)
-        if thresholds is not None:
-            thresholds[:] = tau
+        if thresholds is None:
+            return _run(lib, logits if as_is else view, table.astype(np.float64), ids, offsets, False)
+        tokens, thresholds[:] = _run(lib, logits if as_is else view, table.astype(np.float64), ids, offsets, True)
         return tokens

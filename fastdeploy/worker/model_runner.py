@@ -36,10 +36,10 @@ ACTIVATION_RESERVE = 0.1  # share of the memory budget kept for activations
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Rows of float32 log-probabilities, exact down to -inf (a token the grammar disallows). Not Paddle's
-    CPU log_softmax: that one floors every value at about -64."""
+    """Rows of log-probabilities in the logits' dtype, exact down to -inf (a token the grammar disallows).
+    Not Paddle's CPU log_softmax: that one floors every value at about -64."""
     shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(shifted.dtype)
 
 
 def top_logprobs(logp: np.ndarray, k: int, target: int) -> TopLogprobs:
@@ -57,15 +57,13 @@ def transformed_logprobs(logits: np.ndarray, temperature: float, top_p: float) -
     them: logits divided by temperature, then (top_p < 1) the distribution cut to its top_p nucleus (the
     tokens whose better-ranked mass is <= top_p) and renormalised. Tokens outside get the float32 minimum,
     as FastDeploy clips them."""
-    scaled = logits.astype(np.float64) / temperature
-    logp = scaled - scaled.max()
-    logp -= np.log(np.exp(logp).sum())
+    logp = log_softmax(logits.astype(np.float64) / temperature)
     if top_p < 1.0:
         order = np.argsort(-logp, kind="stable")
         probs = np.exp(logp[order])
         keep = order[(np.cumsum(probs) - probs) <= top_p]
         kept = np.full_like(logp, -np.inf)
-        kept[keep] = logp[keep] - np.log(np.exp(logp[keep]).sum())
+        kept[keep] = log_softmax(logp[keep])
         logp = kept
     return np.maximum(logp, np.finfo(np.float32).min).astype(np.float32)
 
