@@ -32,13 +32,16 @@ sys.path.insert(0, str(ROOT))
 from fastdeploy.ops.build import CXX_FLAGS, LD_FLAGS  # noqa: E402
 
 SOURCES = ROOT / "custom_ops"
-TARGETS = {  # the ISA translation units' target lines, and the ISA level the driver activates
-    "avx512_bf16": ('#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")\n'
-                    "#define FD_AVX512 1\n#define FD_NS avx512\n", "avx512", 3),
-    "avx512": ('#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")\n'
-               "#define FD_AVX512 1\n#define FD_NS avx512\n", "avx512", 2),
-    "avx2": ('#pragma GCC target("avx2,fma,f16c,bmi2")\n#define FD_NS avx2\n', "avx2", 1),
-}
+TARGETS = {"avx512_bf16": ("avx512", 3), "avx512": ("avx512", 2), "avx2": ("avx2", 1)}  # ISA unit, driver's level
+
+
+def target_lines(unit: str) -> str:
+    """The `#pragma GCC` / `#define FD_` lines custom_ops/isa_<unit>.cc puts before fd_simd.h."""
+    text = (SOURCES / f"isa_{unit}.cc").read_text()
+    head = text[:text.index('#include "fd_simd.h"')]
+    return "".join(line + "\n" for line in head.splitlines() if line.startswith(("#pragma GCC", "#define FD_")))
+
+
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}  # fd::WeightFormat
 
 KERNELS = """#include <immintrin.h>
@@ -224,7 +227,7 @@ def main() -> None:
     args = p.parse_args()
     if args.kernel == "attention" and (args.tokens > args.ctx or args.heads % args.kv_heads or args.head_dim % 16):
         raise SystemExit("attention needs tokens <= ctx, heads a multiple of kv-heads and head-dim a multiple of 16")
-    target, unit, level = TARGETS[args.isa]
+    unit, level = TARGETS[args.isa]
     if args.kernel == "attention":
         shape = [args.ctx, args.tokens, args.heads, args.kv_heads, args.head_dim, args.layers, args.rounds, level]
         what = (f"ctx {args.ctx}, {args.tokens} new tokens, {args.heads} / {args.kv_heads} heads x {args.head_dim}, "
@@ -237,7 +240,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kernel_ab-") as tmp:
         work = Path(tmp)
         (work / "kernels.cc").write_text(KERNELS.format(
-            target=target, consts_a=constants(unit, args.a_const), consts_b=constants(unit, args.b_const),
+            target=target_lines(unit), consts_a=constants(unit, args.a_const), consts_b=constants(unit, args.b_const),
             inc_a=kernel_file(args.kernel, args.a_rev, work, "a"), inc_b=kernel_file(args.kernel, args.b_rev, work, "b"),
             args=arg_type, function=args.kernel))
         (work / "driver.cc").write_text(driver)
