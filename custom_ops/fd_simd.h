@@ -88,6 +88,19 @@ FD_INLINE VF vhsum16(const VF* a) {
   return {_mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD))};
 }
 
+// The native register, for attention's dot products (kern_attention.inc): here VF itself, and the sums of
+// kLanesN of them are vhsum16's.
+using VN = VF;
+constexpr int kLanesN = 16;
+FD_INLINE VN nzero() { return vzero(); }
+FD_INLINE VN nset1(float x) { return vset1(x); }
+FD_INLINE VN nload(const float* p) { return vload(p); }
+FD_INLINE VN nload_bf16(const uint16_t* p) { return vload_bf16(p); }
+FD_INLINE void nstore(float* p, VN a) { vstore(p, a); }
+FD_INLINE VN nmul(VN a, VN b) { return vmul(a, b); }
+FD_INLINE VN nfma(VN a, VN b, VN c) { return vfma(a, b, c); }
+FD_INLINE VN nhsum(const VN* a) { return vhsum16(a); }
+
 FD_INLINE VI izero() { return {_mm512_setzero_si512()}; }
 FD_INLINE VI iset1(int32_t x) { return {_mm512_set1_epi32(x)}; }
 FD_INLINE VF itof(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
@@ -225,6 +238,23 @@ FD_INLINE VF vhsum16(const VF* a) {
   __m256 t[16];
   for (int i = 0; i < 16; ++i) t[i] = _mm256_add_ps(a[i].lo, a[i].hi);
   return {hsum8x8(t), hsum8x8(t + 8)};
+}
+
+// The native register, for attention's dot products (kern_attention.inc): one __m256. A 16-lane VF is two,
+// and with it a register block of attention held half the rows and loaded more than it multiplied.
+struct VN { __m256 v; };
+constexpr int kLanesN = 8;
+FD_INLINE VN nzero() { return {_mm256_setzero_ps()}; }
+FD_INLINE VN nset1(float x) { return {_mm256_set1_ps(x)}; }
+FD_INLINE VN nload(const float* p) { return {_mm256_loadu_ps(p)}; }
+FD_INLINE VN nload_bf16(const uint16_t* p) { return {bf16x8(_mm_loadu_si128((const __m128i*)p))}; }
+FD_INLINE void nstore(float* p, VN a) { _mm256_storeu_ps(p, a.v); }
+FD_INLINE VN nmul(VN a, VN b) { return {_mm256_mul_ps(a.v, b.v)}; }
+FD_INLINE VN nfma(VN a, VN b, VN c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+// Sums of 8 vectors: lane i of the result = sum of the lanes of a[i].
+FD_INLINE VN nhsum(const VN* a) {
+  const __m256 t[8] = {a[0].v, a[1].v, a[2].v, a[3].v, a[4].v, a[5].v, a[6].v, a[7].v};
+  return {hsum8x8(t)};
 }
 
 FD_INLINE VI izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }

@@ -28,8 +28,8 @@ constexpr int kGemvPrefetch = 4096;  // int4 GEMV software prefetch distance in 
 constexpr bool kGemvGuided = true;   // GEMV threads take guided (contiguous) runs of items
 constexpr int kDenseRows = 6, kDensePanels = 1;
 constexpr int kInt8Rows = 2, kInt8Panels = 1;
-constexpr int kAttnRows = 1;  // query rows per attention register block
-constexpr int kAttnWidenBlocks = 4;  // widen bf16 K/V once per chunk from this many blocks (kern_attention.inc)
+constexpr int kAttnRows = 2;  // query rows per attention register block (4 keys x 2 rows: 8 native registers)
+constexpr int kAttnWidenBlocks = 8;  // widen bf16 K/V once per chunk from this many blocks (kern_attention.inc)
 constexpr int kInt4Rows = 2, kInt4Panels = 1;
 
 #include "kern_elementwise.inc"
