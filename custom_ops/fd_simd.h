@@ -100,6 +100,13 @@ FD_INLINE void nstore(float* p, VN a) { vstore(p, a); }
 FD_INLINE VN nmul(VN a, VN b) { return vmul(a, b); }
 FD_INLINE VN nfma(VN a, VN b, VN c) { return vfma(a, b, c); }
 FD_INLINE VN nhsum(const VN* a) { return vhsum16(a); }
+// Attention keeps its fp32 rows (queries, widened keys and values, running outputs) in a lane order that
+// bf16 rows load into cheaply: here the natural one, one native register per 16 columns.
+constexpr bool kLanesNatural = true;
+constexpr int kPartsN = 1;
+FD_INLINE VN nload_bf16_part(const uint16_t* p, int) { return vload_bf16(p); }
+FD_INLINE VF vto_lanes(VF a) { return a; }
+FD_INLINE VF vfrom_lanes(VF a) { return a; }
 
 FD_INLINE VI izero() { return {_mm512_setzero_si512()}; }
 FD_INLINE VI iset1(int32_t x) { return {_mm512_set1_epi32(x)}; }
@@ -256,6 +263,22 @@ FD_INLINE VN nhsum(const VN* a) {
   const __m256 t[8] = {a[0].v, a[1].v, a[2].v, a[3].v, a[4].v, a[5].v, a[6].v, a[7].v};
   return {hsum8x8(t)};
 }
+// Attention keeps its fp32 rows (queries, widened keys and values, running outputs) in the lane order bf16
+// rows load into with one load and one ALU op per register: per 16 columns, the even ones then the odd ones
+// (vload_bf16_shuffled's order; vfrom_lanes = vunshuffle_bf16 puts them back).
+constexpr bool kLanesNatural = false;
+constexpr int kPartsN = 2;
+FD_INLINE VN nload_bf16_part(const uint16_t* p, int part) {
+  const __m256i w = _mm256_loadu_si256((const __m256i*)p);
+  return {_mm256_castsi256_ps(part == 0 ? _mm256_slli_epi32(w, 16)
+                                        : _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+FD_INLINE VF vto_lanes(VF a) {
+  const __m256 even = _mm256_shuffle_ps(a.lo, a.hi, 0x88), odd = _mm256_shuffle_ps(a.lo, a.hi, 0xDD);
+  return {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)),
+          _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8))};
+}
+FD_INLINE VF vfrom_lanes(VF a) { return vunshuffle_bf16(a); }
 
 FD_INLINE VI izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 FD_INLINE VI iset1(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
