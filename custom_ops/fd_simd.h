@@ -95,7 +95,6 @@ constexpr int kLanesN = 16;
 FD_INLINE VN nzero() { return vzero(); }
 FD_INLINE VN nset1(float x) { return vset1(x); }
 FD_INLINE VN nload(const float* p) { return vload(p); }
-FD_INLINE VN nload_bf16(const uint16_t* p) { return vload_bf16(p); }
 FD_INLINE void nstore(float* p, VN a) { vstore(p, a); }
 FD_INLINE VN nmul(VN a, VN b) { return vmul(a, b); }
 FD_INLINE VN nfma(VN a, VN b, VN c) { return vfma(a, b, c); }
@@ -254,7 +253,6 @@ constexpr int kLanesN = 8;
 FD_INLINE VN nzero() { return {_mm256_setzero_ps()}; }
 FD_INLINE VN nset1(float x) { return {_mm256_set1_ps(x)}; }
 FD_INLINE VN nload(const float* p) { return {_mm256_loadu_ps(p)}; }
-FD_INLINE VN nload_bf16(const uint16_t* p) { return {bf16x8(_mm_loadu_si128((const __m128i*)p))}; }
 FD_INLINE void nstore(float* p, VN a) { _mm256_storeu_ps(p, a.v); }
 FD_INLINE VN nmul(VN a, VN b) { return {_mm256_mul_ps(a.v, b.v)}; }
 FD_INLINE VN nfma(VN a, VN b, VN c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
