@@ -1,6 +1,6 @@
-// Paddle custom-op bindings (those over packed weights: ops_paddle_packed.cc): argument checks, index conversion, then one call into the kernel table
-// chosen at run time (dispatch.cc). Errors raise through PD_CHECK (OSError in Python; the wrappers in
-// fastdeploy/ops turn them into ValueError).
+// Paddle custom-op bindings (those over packed weights: ops_paddle_packed.cc): argument checks, index
+// conversion, then one call into the kernel table chosen at run time (dispatch.cc). Errors raise through
+// PD_CHECK (OSError in Python; the wrappers in fastdeploy/ops turn them into ValueError).
 #include "ops_paddle.h"
 
 namespace {

@@ -254,8 +254,7 @@ class ModelRunner:
         prompt rows are always raw (nothing processes a prompt position)."""
         raw = logits_view(logits)  # no copy
         if thresholds is not None:
-            view = sampled_from if isinstance(sampled_from, np.ndarray) else raw[:step.num_samples]
-            sample = processed_logits(view, step.sampling, step.logprob_rows, thresholds)
+            sample = processed_logits(logits_view(sampled_from), step.sampling, step.logprob_rows, thresholds)
         else:
             sample = raw[step.logprob_rows]
         prompt = raw[step.num_samples + np.arange(len(step.prompt_logprob_k))]
