@@ -190,15 +190,21 @@ def constants(unit: str, overrides: list[str]) -> str:
 
 
 def kernel_file(kernel: str, rev: str | None, work: Path, tag: str) -> Path:
-    """kern_<kernel>.inc of the worktree, or of git revision `rev` (written into `work`)."""
+    """kern_<kernel>.inc of the worktree, or of git revision `rev` (written into `work`/`tag`, with the
+    kern_*.inc files it includes from the same revision, which the compiler then finds beside it)."""
     name = f"kern_{kernel}.inc"
     if rev is None:
         return SOURCES / name
-    text = subprocess.run(["git", "show", f"{rev}:custom_ops/{name}"], cwd=ROOT, check=True, capture_output=True,
-                          text=True).stdout
-    path = work / f"{tag}_{name}"
-    path.write_text(text)
-    return path
+    folder = work / tag
+    folder.mkdir(exist_ok=True)
+    pending = [name]
+    while pending:
+        file = pending.pop()
+        text = subprocess.run(["git", "show", f"{rev}:custom_ops/{file}"], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout
+        (folder / file).write_text(text)
+        pending += [f for f in re.findall(r'^#include "(kern_\w+\.inc)"', text, re.M) if not (folder / f).exists()]
+    return folder / name
 
 
 def label(rev: str | None, overrides: list[str]) -> str:
