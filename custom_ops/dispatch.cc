@@ -12,8 +12,10 @@ namespace {
 
 int detect() {
   __builtin_cpu_init();
-  // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0).
-  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0). Each level asks for
+  // every extension its unit's `#pragma GCC target` enables.
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+              __builtin_cpu_supports("bmi2");
   bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                 __builtin_cpu_supports("avx512vnni");
