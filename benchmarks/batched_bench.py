@@ -18,6 +18,8 @@ Each format runs in its own process (clean memory and thread pools) after a 16-t
 llama.cpp warms up with 16 tokens. The script prints the CPU's AVX-512 flags, the read bandwidth
 (large_models.read_bandwidth_gbs: AVX2 streaming sum, all cores) and, for B = 1, the bandwidth bound:
 bytes of packed weights one decode step streams (large_models.decode_bytes_per_token) / bandwidth.
+With --llama-bench it ends with ours / llama.cpp per B and speed for the matching formats (bf16 / F16,
+wint8 / Q8_0, wint4 / Q4_0: the --gguf labels), the tables docs/benchmarks.md keeps per machine.
 Run it under the shared CPU lock: flock /tmp/cpu.lock .venv/bin/python benchmarks/batched_bench.py
 """
 from __future__ import annotations
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 
 PP, TG = 128, 128
 COLUMNS = ("T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s")
+PEERS = {"bf16": "F16", "wint8": "Q8_0", "wint4": "Q4_0"}  # llama.cpp's matching format (its --gguf label)
 
 
 def one_round(llm: LLM, batch: int, pp: int, tg: int) -> dict[str, float]:
@@ -141,6 +144,25 @@ def bound_line(rows: list[dict], bytes_per_token: float, bandwidth: float) -> st
                if one[0].get("tg_outside_weights") is not None else ""))
 
 
+def comparison(report: dict) -> list[str]:
+    """Markdown rows of ours / llama.cpp per B and speed, for each format run on both sides (issue 14's
+    targets: >= 1.5x at B > 1 and in S_PP, >= 85 % of the bandwidth bound at B = 1)."""
+    pairs = [(f, PEERS[f]) for f in report["ours"] if PEERS[f] in report["llama.cpp"]]
+    if not pairs:
+        return []
+    lines = ["| B | | " + " | ".join(f"{f} / {g}" for f, g in pairs) + " |", "|---|---|" + "---|" * len(pairs)]
+    batches = [r["pl"] for r in report["ours"][pairs[0][0]]["rows"]]
+    for b in batches:
+        for key, name in (("speed_pp", "S_PP"), ("speed_tg", "S_TG"), ("speed", "S")):
+            cells = []
+            for f, g in pairs:
+                ours = next(r[key] for r in report["ours"][f]["rows"] if r["pl"] == b)
+                peer = next((r[key] for r in report["llama.cpp"][g]["rows"] if r["pl"] == b), None)
+                cells.append(f"{ours:.1f} / -" if peer is None else f"{ours:.1f} / {peer:.1f} ({ours / peer:.2f}x)")
+            lines.append(f"| {b if name == 'S_PP' else ''} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {list(FORMATS)}")
@@ -194,6 +216,9 @@ def main() -> None:
         result = run_llama_cpp(args.llama_bench, Path(path), batches, args.threads)
         report["llama.cpp"][label] = result
         print_rows(f"llama.cpp {label} ({result['command']})", result["rows"])
+    table = comparison(report)
+    if table:
+        print("\nours / llama.cpp, tok/s (ratio)\n" + "\n".join(table), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 
