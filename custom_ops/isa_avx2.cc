@@ -30,6 +30,7 @@ constexpr int kDenseRows = 6, kDensePanels = 1;
 constexpr int kInt8Rows = 2, kInt8Panels = 1;
 constexpr int kAttnRows = 2;  // query rows per attention register block (4 keys x 2 rows: 8 native registers)
 constexpr int kAttnWidenBlocks = 8;  // widen bf16 K/V once per chunk from this many blocks (kern_attention.inc)
+constexpr int kAttnRowsWide = 4;  // query rows per block in items of kAttnWidenBlocks blocks (prefill)
 constexpr int kInt4Rows = 2, kInt4Panels = 1;
 
 #include "kern_elementwise.inc"

@@ -31,6 +31,7 @@ constexpr int kDenseRows = 6, kDensePanels = 4;
 constexpr int kInt8Rows = 4, kInt8Panels = 3;
 constexpr int kAttnRows = 4;  // query rows per attention register block
 constexpr int kAttnWidenBlocks = 16;  // widen bf16 K/V once per chunk from this many blocks (kern_attention.inc)
+constexpr int kAttnRowsWide = 4;  // in wide items (prefill) too: 8 measured slower
 constexpr int kInt4Rows = 4, kInt4Panels = 2;
 
 #include "kern_elementwise.inc"
