@@ -11,9 +11,7 @@
 // Everything defined from here on may use these instructions; the Paddle bindings and dispatch.cc
 // stay baseline x86-64.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")
-// GCC 12 takes the builtins this target pragma enables for ones that may throw, so every intrinsic ends a
-// basic block and some register blocks kept their accumulators on the stack, stored every k (the AVX2 fp32
-// GEMM ran at half speed). Nothing here throws.
+// As in isa_avx2.cc: otherwise GCC 12 ends a basic block at every intrinsic (nothing here throws).
 #pragma GCC optimize("no-exceptions")
 
 #define FD_AVX512 1
