@@ -14,7 +14,7 @@ their outputs (0: the same bits).
     .venv/bin/python benchmarks/kernel_ab.py linear --rows 16 --k 1024 --n 6144 --format int8
 
 Both versions share the checkout's fd_simd.h and kern_elementwise.inc. Attention: a bf16 cache
-[2, slots, kv_heads, head_dim] with its blocks in random order, `--layers` caches cycled (18 x 8k
+[2, blocks, kv_heads, 64, head_dim] with its blocks in random order, `--layers` caches cycled (18 x 8k
 positions: every read from DRAM; one layer of a few thousand: from L3). Linear: y = x W with W packed
 from random float32 [k, n], as many copies cycled as make 256 MB (every weight read from DRAM).
 """

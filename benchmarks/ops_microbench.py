@@ -174,7 +174,7 @@ def bench_attention(rng: np.random.Generator) -> None:
     print(f"\nPaged attention, decode: {b} requests x {ctx}-token contexts, H={h} KVH={kvh} D={d} block={bs}")
     blocks_per = ctx // bs
     num_blocks = b * blocks_per + 8
-    cache = paddle.to_tensor(rng.standard_normal((2, num_blocks * bs, kvh, d), dtype=np.float32))
+    cache = paddle.to_tensor(rng.standard_normal((2, num_blocks, kvh, bs, d), dtype=np.float32))
     tables = rng.permutation(num_blocks)[: b * blocks_per].reshape(b, blocks_per).astype(np.int32)
     slots = tables[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs
     q = paddle.to_tensor(rng.standard_normal((b, h, d), dtype=np.float32))
@@ -197,7 +197,7 @@ def bench_attention_long(rng: np.random.Generator) -> None:
     print(f"\nPaged attention, one decode stream, bf16 cache, {layers} layers cycled, H={h} KVH={kvh} D={d}")
     for ctx in (1024, 4096, 8192):
         blocks = ctx // bs
-        caches = [paddle.to_tensor(rng.standard_normal((2, (blocks + 4) * bs, kvh, d), dtype=np.float32))
+        caches = [paddle.to_tensor(rng.standard_normal((2, blocks + 4, kvh, bs, d), dtype=np.float32))
                   .astype("bfloat16") for _ in range(layers)]
         tables = rng.permutation(blocks + 4)[:blocks].reshape(1, blocks).astype(np.int64)
         q = paddle.to_tensor(rng.standard_normal((1, h, d), dtype=np.float32))
@@ -252,7 +252,7 @@ def bench_model_step(rng: np.random.Generator) -> None:
         nbytes = sum(p.nbytes for w in weights for p in w.values()) + lm_head.nbytes
         for batch in (1, 16):
             blocks = ctx // bs + 1
-            caches = [paddle.zeros([2, batch * blocks * bs, kv_heads, head_dim]) for _ in range(layers)]
+            caches = [paddle.zeros([2, batch * blocks, kv_heads, bs, head_dim]) for _ in range(layers)]
             tables = np.arange(batch * blocks, dtype=np.int64).reshape(batch, blocks)
             meta = [paddle.to_tensor(tables[:, ctx // bs] * bs + ctx % bs), paddle.arange(batch + 1, dtype="int64"),
                     paddle.full([batch], ctx + 1, dtype="int64"), paddle.to_tensor(tables)]

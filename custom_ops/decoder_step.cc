@@ -35,7 +35,7 @@ struct StepLayer {
   int64_t num_experts, expert_start, local_experts, top_k;
   float norm_min;
   int32_t renormalize;
-  void* kv_cache;  // [2, S, KVH, D], float32 or bf16 (StepModel::cache_bf16)
+  void* kv_cache;  // [2, blocks, KVH, block_size, D], float32 or bf16 (StepModel::cache_bf16)
 };
 
 struct StepModel {

@@ -17,13 +17,13 @@ struct AttentionArgs {
   const float* q;          // [T, H, D]
   const float* k;          // [T, KVH, D]
   const float* v;          // [T, KVH, D]
-  void* cache;             // [2, S, KVH, D]: keys then values, slot-major; float32, or bf16 bits (uint16)
+  void* cache;             // [2, S / block_size, KVH, block_size, D]: keys then values; float32 or bf16 bits
   const int64_t* slots;    // [T]: where each new token's K/V goes (negative: not written)
   const int64_t* q_start;  // [B + 1]: request b owns tokens q_start[b] .. q_start[b + 1] - 1
   const int64_t* ctx_lens; // [B]: tokens in context including the new ones
   const int64_t* blocks;   // [B, max_blocks]
   float* out;              // [T, H * D]
-  int64_t T, B, H, KVH, D, S, max_blocks, block_size;
+  int64_t T, B, H, KVH, D, S, max_blocks, block_size;  // S: cache slots (blocks x block_size)
   float scale;
   bool causal = true;  // false: every query attends to its request's whole context (a ViT's patches)
   bool cache_bf16 = false;

@@ -24,10 +24,10 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const int64_t T = qs[0], H = qs[1], D = qs[2], KVH = ks[1];
   PD_CHECK(KVH > 0 && H % KVH == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", KVH, ")");
   PD_CHECK(D % 16 == 0, "head_dim must be a multiple of 16, got ", D);
-  PD_CHECK(cs.size() == 4 && cs[0] == 2 && cs[2] == KVH && cs[3] == D, "kv_cache must be [2, slots, KVH, D]");
-  PD_CHECK(block_size > 0 && cs[1] % block_size == 0, "block_size must be > 0 and divide the cache's slots");
+  PD_CHECK(cs.size() == 5 && cs[0] == 2 && cs[2] == KVH && cs[3] == block_size && cs[4] == D,
+           "kv_cache must be [2, num_blocks, KVH, block_size, D]");
   PD_CHECK(bs.size() == 2, "block_tables must be [B, max_blocks]");
-  const int64_t S = cs[1], B = bs[0], MB = bs[1], num_blocks = S / block_size;
+  const int64_t num_blocks = cs[1], S = num_blocks * block_size, B = bs[0], MB = bs[1];
   Index slots(slot_mapping, "slot_mapping"), qsl(query_start_loc, "query_start_loc");
   Index ctx(context_lens, "context_lens"), table(block_tables, "block_tables");
   PD_CHECK(slots.n == T, "slot_mapping must have T = ", T, " entries");

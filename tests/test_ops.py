@@ -68,7 +68,7 @@ def make_batch(rng, heads, kv_heads, head_dim, block_size, query_lens, context_l
         q=rng.standard_normal((t, heads, head_dim), dtype=np.float32),
         k=rng.standard_normal((t, kv_heads, head_dim), dtype=np.float32),
         v=rng.standard_normal((t, kv_heads, head_dim), dtype=np.float32),
-        cache=rng.standard_normal((2, num_blocks * block_size, kv_heads, head_dim), dtype=np.float32),
+        cache=rng.standard_normal((2, num_blocks, kv_heads, block_size, head_dim), dtype=np.float32),
         meta=[np.array(slots, dtype=index_dtype), np.concatenate([[0], np.cumsum(query_lens)]).astype(index_dtype),
               np.array(context_lens, dtype=index_dtype), tables.astype(index_dtype)],
         block_size=block_size, scale=head_dim ** -0.5)
@@ -104,8 +104,11 @@ def test_paged_attention_matches_reference(isa, case, cache_dtype):
     ref, ref_cache = run_attention(batch, ops.paged_attention_reference, cache_dtype)
     assert out.shape == [sum(case[4]), case[0] * case[2]]
     assert_close(out, ref, 1e-5)
-    # the same K/V written to the same slots
+    # the same K/V written to the same slots, where FastDeploy's [2, blocks, KVH, block_size, D] puts them
     np.testing.assert_array_equal(cache.astype("float32").numpy(), ref_cache.astype("float32").numpy())
+    written = np.stack([cache.astype("float32").numpy()[:, s // case[3], :, s % case[3]] for s in batch["meta"][0]], 1)
+    expected = tensor(np.stack([batch["k"], batch["v"]])).astype(cache_dtype).astype("float32").numpy()
+    np.testing.assert_array_equal(written, expected)
 
 
 def test_paged_attention_skips_negative_slots():
@@ -174,6 +177,8 @@ def test_paged_attention_rejects_bad_input():
         run_attention(dict(batch, meta=batch["meta"][:3] + [tables]))
     with pytest.raises(ValueError, match="context_lens"):
         run_attention(dict(batch, meta=batch["meta"][:2] + [np.array([0]), batch["meta"][3]]))
+    with pytest.raises(ValueError, match=r"kv_cache must be \[2, num_blocks, KVH, block_size, D\]"):
+        run_attention(dict(batch, cache=batch["cache"].transpose(0, 1, 3, 2, 4).copy()))  # slot-major blocks
 
 
 def test_paged_attention_head_dim_not_multiple_of_16_uses_reference(caplog):

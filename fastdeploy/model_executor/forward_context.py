@@ -17,8 +17,9 @@ import paddle
 class ForwardContext:
     """How the step's T new tokens (ordered request by request) map onto the paged KV cache.
 
-    A KV cache layer is one tensor [2, num_blocks * block_size, num_kv_heads, head_dim]: slot
-    s = block * block_size + offset. Request b's new tokens are the last ones of its context.
+    A KV cache layer is one tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (FastDeploy's
+    block layout, keys then values); slot s = block * block_size + offset names the rows
+    [:, block, :, offset]. Request b's new tokens are the last ones of its context.
     """
 
     slot_mapping: paddle.Tensor  # [T] int64: cache slot each new token's K/V is written to
@@ -50,8 +51,8 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int, dtype: str = "float32") -> list[paddle.Tensor]:
-    """One [2, slots, kv heads, head_dim] cache per layer, `dtype` "float32" or "bfloat16"."""
-    shape = [2, num_blocks * block_size, num_kv_heads, head_dim]
+    """One [2, num_blocks, kv heads, block_size, head_dim] cache per layer, `dtype` "float32" or "bfloat16"."""
+    shape = [2, num_blocks, num_kv_heads, block_size, head_dim]
     # Left uninitialised: attention reads only slots written earlier, and untouched pages cost no RAM.
     return [paddle.empty(shape, dtype=dtype) for _ in range(num_layers)]
 

@@ -3,7 +3,8 @@ causal mask over a ragged batch of sequences held in memory (a ViT's frames), on
 
 One call serves decode tokens and prefill chunks alike: request b owns the new tokens
 query_start_loc[b] .. query_start_loc[b+1]-1, which are the last tokens of its context_lens[b]; its
-context position p lives in cache slot block_tables[b, p // block_size] * block_size + p % block_size.
+context position p lives in cache slot block_tables[b, p // block_size] * block_size + p % block_size,
+whose keys are kv_cache[0, slot // block_size, :, slot % block_size] (values: kv_cache[1, ...]).
 The new K/V are first written at slot_mapping (negative slots are skipped), then every query attends
 causally to its request's context. GQA: query head h reads kv head h // (H / KVH).
 """
@@ -28,19 +29,28 @@ def paged_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tens
     """Pure Paddle, one request at a time. Same contract as `paged_attention`."""
     t, h, d = q.shape
     kvh = k.shape[1]
+
+    def head_rows(slots: np.ndarray) -> paddle.Tensor:
+        """Rows of kv_cache[i] viewed as [num_blocks * kvh * block_size, d] holding each slot's kv heads."""
+        rows = (slots[:, None] // block_size * kvh + np.arange(kvh)) * block_size + slots[:, None] % block_size
+        return paddle.to_tensor(rows.reshape(-1))
+
     slots = slot_mapping.numpy().astype(np.int64)
     keep = np.nonzero(slots >= 0)[0]
     if len(keep):
-        index, rows = paddle.to_tensor(slots[keep]), paddle.to_tensor(keep)
-        new_k, new_v = paddle.gather(k, rows), paddle.gather(v, rows)
+        rows = paddle.to_tensor(keep)
+        new_k, new_v = (paddle.gather(x, rows).reshape([-1, d]) for x in (k, v))
         cache = kv_cache
         if kv_cache.dtype == paddle.bfloat16:
             # Rounded to nearest even (Paddle's cast), as the kernel stores them; scattered as int32 pairs of
             # bf16 (Paddle's CPU scatter has no 16-bit kernel; head_dim is even).
             new_k, new_v = (x.astype("bfloat16").view("int32") for x in (new_k, new_v))
             cache = kv_cache.view("int32")
+        cache = cache.view([2, -1, cache.shape[-1]])
+        index = head_rows(slots[keep])
         cache[0].scatter_(index, new_k, overwrite=True)
         cache[1].scatter_(index, new_v, overwrite=True)
+    flat = kv_cache.view([2, -1, d])
     starts = query_start_loc.numpy().astype(np.int64)
     ctx_lens = context_lens.numpy().astype(np.int64)
     tables = block_tables.numpy().astype(np.int64)
@@ -50,10 +60,9 @@ def paged_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tens
         if n == 0:
             continue
         pos = np.arange(c)
-        ctx_slots = paddle.to_tensor(tables[b, pos // block_size] * block_size + pos % block_size)
-        keys = paddle.repeat_interleave(paddle.gather(kv_cache[0], ctx_slots).astype("float32"), h // kvh,
-                                        axis=1)  # [c, H, D]
-        values = paddle.repeat_interleave(paddle.gather(kv_cache[1], ctx_slots).astype("float32"), h // kvh, axis=1)
+        index = head_rows(tables[b, pos // block_size] * block_size + pos % block_size)
+        keys, values = (paddle.repeat_interleave(paddle.gather(flat[i], index).astype("float32").reshape([c, kvh, d]),
+                                                 h // kvh, axis=1) for i in (0, 1))  # [c, H, D]
         queries = q[int(starts[b]):int(starts[b + 1])].transpose([1, 0, 2])  # [H, n, D]
         scores = paddle.matmul(queries, keys.transpose([1, 2, 0])) * scale  # [H, n, c]
         q_pos = c - n + np.arange(n)
@@ -70,7 +79,7 @@ def paged_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, kv_cac
                     slot_mapping: paddle.Tensor, query_start_loc: paddle.Tensor, context_lens: paddle.Tensor,
                     block_tables: paddle.Tensor, block_size: int, scale: float, *,
                     use_compiled: bool = True) -> paddle.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] (float32), kv_cache [2, num_blocks * block_size, KVH, D] (float32 or
+    """q [T, H, D], k/v [T, KVH, D] (float32), kv_cache [2, num_blocks, KVH, block_size, D] (float32 or
     bfloat16: new keys and values are stored rounded to nearest even);
     slot_mapping [T], query_start_loc [B + 1], context_lens [B], block_tables [B, max_blocks] (int32 or
     int64). Writes k/v into kv_cache in place and returns the attention output [T, H * D]."""
@@ -128,6 +137,6 @@ def bidirectional_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor
     lens = np.diff(starts)
     width = max(int(lens.max(initial=0)), 1)
     tables = np.minimum(starts[:-1, None] + np.arange(width), max(q.shape[0] - 1, 0))  # slot of each position
-    return call_op(lib, "fd_paged_attention", q, k, v, paddle.stack([k, v]),
+    return call_op(lib, "fd_paged_attention", q, k, v, paddle.stack([k, v]).unsqueeze(3),
                    paddle.full([q.shape[0]], -1, dtype="int64"), paddle.to_tensor(starts), paddle.to_tensor(lens),
                    paddle.to_tensor(tables), 1, float(scale), False)[1]

@@ -147,7 +147,7 @@ class CompiledDecoder:
             layers=self._layers, num_layers=len(layers), hidden=cfg.hidden_size, heads=attn.num_heads,
             kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, max_ffn=max(_ffn_width(l) for l in decoder.layers),
             max_top_k=max((l.mlp.top_k for l in decoder.layers if not isinstance(l.mlp, GatedMLP)), default=0),
-            cache_slots=int(kv_caches[0].shape[1]), block_size=block_size, eps=decoder.norm.eps,
+            cache_slots=int(kv_caches[0].shape[1]) * block_size, block_size=block_size, eps=decoder.norm.eps,
             attn_scale=attn.attn.scale, interleaved=decoder.rotary.interleaved,
             embedding=_weight(decoder.embed_tokens.weight.value), lm_head=_weight(model.lm_head.packed),
             final_norm=_address(decoder.norm.weight), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
