@@ -89,7 +89,8 @@ ATTENTION_CASES = [
     (8, 1, 128, 16, [130], [200]),  # a prefill chunk longer than one work tile, with cached prefix
     (8, 2, 64, 64, [0, 5, 0, 2], [9, 5, 30, 2]),  # requests with no new tokens in the step
     (4, 2, 16, 16, [1, 9], [33, 9]),  # the tiny test checkpoints' head_dim
-    (16, 2, 128, 64, [1], [2600]),  # one long decode: its 512-position spans shared out to the threads
+    (16, 2, 128, 64, [1], [2600]),  # one long decode: its kv heads shared out to the threads
+    (16, 1, 128, 64, [1], [2600]),  # one kv head (fewer than threads): its 512-position spans shared out
     (16, 2, 128, 64, [1, 24], [2600, 1040]),  # long contexts in a batch, a prefill chunk across a span edge
 ]
 
@@ -139,11 +140,13 @@ def assert_batch_invariant(batch, run) -> np.ndarray:
     return together
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
-def test_long_contexts_do_not_depend_on_the_batch(cache_dtype):
-    """Contexts of several spans: alone (a lone decode runs its spans as separate work items, folded
-    afterwards), together (each item folds its spans itself) or on one thread, the same bits."""
-    batch = make_batch(np.random.default_rng(8), 16, 2, 128, 64, [1, 24, 1], [2600, 1040, 3100])
+def test_long_contexts_do_not_depend_on_the_batch(cache_dtype, kv_heads):
+    """Contexts of several spans: alone (a lone decode splits its kv heads between the threads, or with one
+    kv head runs its spans as separate work items, folded afterwards), together (each item folds its spans
+    itself) or on one thread, the same bits."""
+    batch = make_batch(np.random.default_rng(8), 16, kv_heads, 128, 64, [1, 24, 1], [2600, 1040, 3100])
     assert_batch_invariant(batch, functools.partial(run_attention, cache_dtype=cache_dtype))
 
 
