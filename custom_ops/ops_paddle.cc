@@ -24,6 +24,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   const int64_t T = qs[0], H = qs[1], D = qs[2], KVH = ks[1];
   PD_CHECK(KVH > 0 && H % KVH == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", KVH, ")");
   PD_CHECK(D % 16 == 0, "head_dim must be a multiple of 16, got ", D);
+  PD_CHECK(block_size > 0, "block_size must be > 0, got ", block_size);
   PD_CHECK(cs.size() == 5 && cs[0] == 2 && cs[2] == KVH && cs[3] == block_size && cs[4] == D,
            "kv_cache must be [2, num_blocks, KVH, block_size, D]");
   PD_CHECK(bs.size() == 2, "block_tables must be [B, max_blocks]");
