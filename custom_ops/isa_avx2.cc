@@ -25,7 +25,6 @@ namespace avx2 {
 // Register blocking of the linear kernels (rows x 16-column panels), sized for 16 vector registers (a 16-lane value is two).
 constexpr int kGemvPanels = 4;       // fp32 / bf16 GEMV: 8 FMA chains cover the FMA latency (int8 / int4: 1 panel)
 constexpr int kGemvPrefetch = 4096;  // int4 GEMV software prefetch distance in bytes (kern_linear.inc)
-constexpr bool kGemvGuided = true;   // GEMV threads take guided (contiguous) runs of items
 constexpr int kDenseRows = 6, kDensePanels = 1;
 constexpr int kInt8Rows = 2, kInt8Panels = 1;
 constexpr int kAttnRows = 2;  // query rows per attention register block (4 keys x 2 rows: 8 native registers)

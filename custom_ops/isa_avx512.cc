@@ -24,7 +24,6 @@ namespace avx512 {
 // Register blocking of the linear kernels (rows x 16-column panels), sized for 32 vector registers.
 constexpr int kGemvPanels = 8;
 constexpr int kGemvPrefetch = 0;      // GEMV software prefetch: off (kern_linear.inc; measured only on AVX2)
-constexpr bool kGemvGuided = false;  // GEMV threads take single panel groups dynamically (as before)
 constexpr int kDenseRows = 6, kDensePanels = 4;
 constexpr int kInt8Rows = 4, kInt8Panels = 3;
 constexpr int kAttnRows = 4;  // query rows per attention register block
