@@ -27,8 +27,9 @@ constexpr int kGemvPanels = 4;       // fp32 / bf16 GEMV: 8 FMA chains cover the
 constexpr int kGemvPrefetch = 4096;  // int4 GEMV software prefetch distance in bytes (kern_linear.inc)
 constexpr int kDenseRows = 6, kDensePanels = 1;
 constexpr int kInt8Rows = 2, kInt8Panels = 1;
-constexpr int kAttnRows = 2;  // query rows per attention register block (4 keys x 2 rows: 8 native registers)
-constexpr int kAttnWidenBlocks = 8;  // widen bf16 K/V once per chunk from this many blocks (kern_attention.inc)
+constexpr int kAttnRows = 8;  // query rows per attention register block: a GQA group of 8 reads each key part once
+constexpr int kAttnValueRows = 4;  // of those, rows per block of the weighted values (8 accumulators + 2 values)
+constexpr int kAttnWidenBlocks = 3;  // widen bf16 K/V once per chunk from this many blocks (kern_attention.inc)
 constexpr int kAttnRowsWide = 4;  // query rows per block in items of kAttnWidenBlocks blocks (prefill)
 constexpr int kInt4Rows = 2, kInt4Panels = 1;
 
