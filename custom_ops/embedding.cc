@@ -13,8 +13,7 @@ namespace fd {
 void packed_columns(const void* data, const float* scales, int fmt, int64_t K, int64_t N, const int64_t* ids,
                     int64_t T, float* out) {
   (void)N;
-#pragma omp parallel for num_threads(num_threads()) if (T * K > (1 << 16)) schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
+  const auto gather = [&](int64_t t) {
     const int64_t n = ids[t], p = n / kPanel, j = n % kPanel;
     float* row = out + t * K;
     if (fmt == kFp32 || fmt == kBf16) {
@@ -42,7 +41,14 @@ void packed_columns(const void* data, const float* scales, int fmt, int64_t K, i
         row[k] = static_cast<float>(q) * s[(k / kInt4Group) * kPanel];
       }
     }
+  };
+  // Not an OpenMP `if` clause: a false one still sets up a team of one (kern_elementwise.inc, parallel_for).
+  if (T * K <= (1 << 16)) {
+    for (int64_t t = 0; t < T; ++t) gather(t);
+    return;
   }
+#pragma omp parallel for num_threads(num_threads()) schedule(static)
+  for (int64_t t = 0; t < T; ++t) gather(t);
 }
 
 }  // namespace fd
