@@ -166,19 +166,24 @@ void attention_block(const KernelTable& kt, const StepModel& m, const StepLayer&
   const int64_t T = s.T, D = m.head_dim, QD = m.heads * D, KD = m.kv_heads * D, W = QD + 2 * KD;
   linear(kt, b.x, L.qkv, L.qkv_bias, b.qkv, T);
   clock.mark(kQkv);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = b.qkv + t * W;
-    std::memcpy(b.q + t * QD, row, QD * sizeof(float));
-    std::memcpy(b.k + t * KD, row + QD, KD * sizeof(float));
-    std::memcpy(b.v + t * KD, row + QD + KD, KD * sizeof(float));
+  // One token's q, k and v lie one after the other in its fused row already; more tokens are split.
+  float *q = b.qkv, *k = q + QD, *v = k + KD;
+  if (T > 1) {
+    q = b.q, k = b.k, v = b.v;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = b.qkv + t * W;
+      std::memcpy(q + t * QD, row, QD * sizeof(float));
+      std::memcpy(k + t * KD, row + QD, KD * sizeof(float));
+      std::memcpy(v + t * KD, row + QD + KD, KD * sizeof(float));
+    }
   }
   if (L.q_norm != nullptr) {
-    kt.rms_norm(b.q, nullptr, L.q_norm, b.q, nullptr, T * m.heads, D, m.eps);
-    kt.rms_norm(b.k, nullptr, L.k_norm, b.k, nullptr, T * m.kv_heads, D, m.eps);
+    kt.rms_norm(q, nullptr, L.q_norm, q, nullptr, T * m.heads, D, m.eps);
+    kt.rms_norm(k, nullptr, L.k_norm, k, nullptr, T * m.kv_heads, D, m.eps);
   }
-  kt.rotary(b.q, b.k, b.cos, b.sin, T, m.heads, m.kv_heads, D, m.interleaved != 0);
+  kt.rotary(q, k, b.cos, b.sin, T, m.heads, m.kv_heads, D, m.interleaved != 0);
   clock.mark(kRope);
-  kt.attention(AttentionArgs{b.q, b.k, b.v, L.kv_cache, b.slots, b.q_start, s.ctx_lens, s.blocks, b.attn, T, s.B,
+  kt.attention(AttentionArgs{q, k, v, L.kv_cache, b.slots, b.q_start, s.ctx_lens, s.blocks, b.attn, T, s.B,
                              m.heads, m.kv_heads, D, m.cache_slots, s.max_blocks, m.block_size, m.attn_scale,
                              true, m.cache_bf16 != 0});
   clock.mark(kAttention);
