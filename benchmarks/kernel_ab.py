@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
   for (auto& x : q) x = normal(rng);
   std::vector<int64_t> slots(T, -1), q_start{0, T}, ctx_lens{ctx};  // the new K/V are not written
   fd::AttentionArgs a{q.data(), k.data(), v.data(), caches[0].data(), slots.data(), q_start.data(),
-                      ctx_lens.data(), blocks.data(), out.data(), T, 1, H, KVH, D, S, nb, BS,
+                      ctx_lens.data(), blocks.data(), out.data(), T, 1, H, KVH, D, S, nb, BS, H * D, row,
                       1.0f / std::sqrt(static_cast<float>(D)), true, true};
   compare([&](int version, int64_t only) -> int64_t {
     for (int64_t l = only >= 0 ? only : 0; l < (only >= 0 ? only + 1 : layers); ++l) {

@@ -115,7 +115,7 @@ void linear(const KernelTable& kt, const float* x, const MoeWeight& w, const flo
 }
 
 struct Buffers {
-  float *resid, *x, *y, *qkv, *q, *k, *v, *attn, *ug, *act, *cos, *sin, *rows_y, *rows_r, *moe_w;
+  float *resid, *x, *y, *qkv, *attn, *ug, *act, *cos, *sin, *rows_y, *rows_r, *moe_w;
   int64_t *moe_ids, *q_start, *slots;
 };
 
@@ -127,9 +127,6 @@ int64_t carve(const StepModel& m, int64_t T, int64_t B, int64_t R, float* base, 
   b->x = c.take(T * H);
   b->y = c.take(T * H);
   b->qkv = c.take(T * (QD + 2 * KD));
-  b->q = c.take(T * QD);
-  b->k = c.take(T * KD);
-  b->v = c.take(T * KD);
   b->attn = c.take(T * QD);
   b->ug = c.take(T * 2 * m.max_ffn);
   b->act = c.take(T * m.max_ffn);
@@ -166,25 +163,16 @@ void attention_block(const KernelTable& kt, const StepModel& m, const StepLayer&
   const int64_t T = s.T, D = m.head_dim, QD = m.heads * D, KD = m.kv_heads * D, W = QD + 2 * KD;
   linear(kt, b.x, L.qkv, L.qkv_bias, b.qkv, T);
   clock.mark(kQkv);
-  // One token's q, k and v lie one after the other in its fused row already; more tokens are split.
+  // q, k and v are used where the fused rows have them (row stride W), not split out.
   float *q = b.qkv, *k = q + QD, *v = k + KD;
-  if (T > 1) {
-    q = b.q, k = b.k, v = b.v;
-    for (int64_t t = 0; t < T; ++t) {
-      const float* row = b.qkv + t * W;
-      std::memcpy(q + t * QD, row, QD * sizeof(float));
-      std::memcpy(k + t * KD, row + QD, KD * sizeof(float));
-      std::memcpy(v + t * KD, row + QD + KD, KD * sizeof(float));
-    }
+  for (int64_t t = 0; L.q_norm != nullptr && t < T; ++t) {
+    kt.rms_norm(q + t * W, nullptr, L.q_norm, q + t * W, nullptr, m.heads, D, m.eps);
+    kt.rms_norm(k + t * W, nullptr, L.k_norm, k + t * W, nullptr, m.kv_heads, D, m.eps);
   }
-  if (L.q_norm != nullptr) {
-    kt.rms_norm(q, nullptr, L.q_norm, q, nullptr, T * m.heads, D, m.eps);
-    kt.rms_norm(k, nullptr, L.k_norm, k, nullptr, T * m.kv_heads, D, m.eps);
-  }
-  kt.rotary(q, k, b.cos, b.sin, T, m.heads, m.kv_heads, D, m.interleaved != 0);
+  kt.rotary(q, k, b.cos, b.sin, T, m.heads, m.kv_heads, D, W, W, m.interleaved != 0);
   clock.mark(kRope);
   kt.attention(AttentionArgs{q, k, v, L.kv_cache, b.slots, b.q_start, s.ctx_lens, s.blocks, b.attn, T, s.B,
-                             m.heads, m.kv_heads, D, m.cache_slots, s.max_blocks, m.block_size, m.attn_scale,
+                             m.heads, m.kv_heads, D, m.cache_slots, s.max_blocks, m.block_size, W, W, m.attn_scale,
                              true, m.cache_bf16 != 0});
   clock.mark(kAttention);
   linear(kt, b.attn, L.o, L.o_bias, b.y, T);

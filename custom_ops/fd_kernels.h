@@ -14,9 +14,9 @@ constexpr int kInt4Group = 128;  // int4 weight scales: one per 128 k per output
 enum WeightFormat : int { kFp32 = 0, kBf16 = 1, kInt8 = 2, kInt4 = 3 };
 
 struct AttentionArgs {
-  const float* q;          // [T, H, D]
-  const float* k;          // [T, KVH, D]
-  const float* v;          // [T, KVH, D]
+  const float* q;          // token t's H heads x D at q + t * q_stride
+  const float* k;          // token t's KVH heads x D at k + t * kv_stride
+  const float* v;          // the same at v + t * kv_stride
   void* cache;             // [2, S / block_size, KVH, block_size, D]: keys then values; float32 or bf16 bits
   const int64_t* slots;    // [T]: where each new token's K/V goes (negative: not written)
   const int64_t* q_start;  // [B + 1]: request b owns tokens q_start[b] .. q_start[b + 1] - 1
@@ -24,6 +24,7 @@ struct AttentionArgs {
   const int64_t* blocks;   // [B, max_blocks]
   float* out;              // [T, H * D]
   int64_t T, B, H, KVH, D, S, max_blocks, block_size;  // S: cache slots (blocks x block_size)
+  int64_t q_stride, kv_stride;  // floats from one token's q (k, v) to the next's: H * D (KVH * D) when packed
   float scale;
   bool causal = true;  // false: every query attends to its request's whole context (a ViT's patches)
   bool cache_bf16 = false;
@@ -109,7 +110,7 @@ struct KernelTable {
                    int64_t rows, int64_t n, float eps);
   void (*silu_mul)(const float* x, float* out, int64_t rows, int64_t f);
   void (*rotary)(float* q, float* k, const float* cos, const float* sin, int64_t T, int64_t H, int64_t KVH,
-                 int64_t D, bool interleaved);
+                 int64_t D, int64_t q_stride, int64_t k_stride, bool interleaved);  // strides as AttentionArgs'
   void (*attention)(const AttentionArgs& a);
   void (*linear)(const LinearArgs& a);
   void (*sample)(const SampleArgs& a);

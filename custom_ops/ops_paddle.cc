@@ -46,8 +46,8 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   }
   auto out = paddle::empty({T, H * D}, paddle::DataType::FLOAT32, q.place());
   fd::AttentionArgs a{q.data<float>(), k.data<float>(), v.data<float>(), kv_cache.data(), slots.p, qsl.p,
-                      ctx.p, table.p, out.data<float>(), T, B, H, KVH, D, S, MB, block_size, scale, causal,
-                      cache_bf16};
+                      ctx.p, table.p, out.data<float>(), T, B, H, KVH, D, S, MB, block_size, H * D, KVH * D, scale,
+                      causal, cache_bf16};
   if (T > 0) kernels().attention(a);
   return {out};
 }
@@ -126,7 +126,7 @@ void Rotary(paddle::Tensor& q, paddle::Tensor& k, const paddle::Tensor& cos, con
   PD_CHECK(cos.numel() == T * D / 2 && sin.numel() == T * D / 2, "cos and sin must be [T, head_dim / 2]");
   if (T > 0)
     kernels().rotary(q.data<float>(), k.data<float>(), cos.data<float>(), sin.data<float>(), T, qs[1], ks[1], D,
-                     interleaved);
+                     qs[1] * D, ks[1] * D, interleaved);
 }
 
 std::vector<Shape> RotaryShape(const Shape& q, const Shape& k, const Shape&, const Shape&) { return {q, k}; }
