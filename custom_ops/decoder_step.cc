@@ -165,10 +165,11 @@ void attention_block(const KernelTable& kt, const StepModel& m, const StepLayer&
   clock.mark(kQkv);
   // q, k and v are used where the fused rows have them (row stride W), not split out.
   float *q = b.qkv, *k = q + QD, *v = k + KD;
-  for (int64_t t = 0; L.q_norm != nullptr && t < T; ++t) {
-    kt.rms_norm(q + t * W, nullptr, L.q_norm, q + t * W, nullptr, m.heads, D, m.eps);
-    kt.rms_norm(k + t * W, nullptr, L.k_norm, k + t * W, nullptr, m.kv_heads, D, m.eps);
-  }
+  if (L.q_norm != nullptr)
+    for (int64_t t = 0; t < T; ++t) {  // per token: its heads' rows are consecutive only within its row
+      kt.rms_norm(q + t * W, nullptr, L.q_norm, q + t * W, nullptr, m.heads, D, m.eps);
+      kt.rms_norm(k + t * W, nullptr, L.k_norm, k + t * W, nullptr, m.kv_heads, D, m.eps);
+    }
   kt.rotary(q, k, b.cos, b.sin, T, m.heads, m.kv_heads, D, W, W, m.interleaved != 0);
   clock.mark(kRope);
   kt.attention(AttentionArgs{q, k, v, L.kv_cache, b.slots, b.q_start, s.ctx_lens, s.blocks, b.attn, T, s.B,
