@@ -7,7 +7,8 @@ import pytest
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestMetrics, RequestStatus
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.engine.scheduler import PolicyCache, Scheduler, sampling_batch
+from fastdeploy.engine.scheduler import Scheduler
+from fastdeploy.engine.step_builder import PolicyCache, sampling_batch
 from fastdeploy.worker.step_types import ModelRunnerOutput
 
 
@@ -108,7 +109,7 @@ def scheduler_with(num_blocks, block_size=4, max_num_seqs=4, budget=64, chunked=
 
 def complete_step(sched, step):
     """The runner's part: every request that catches up with its tokens gets a generated token 7."""
-    sched.update_from_output(step, ModelRunnerOutput(np.full(len(step.samplers), 7, dtype=np.int64)))
+    sched.update_from_output(step, ModelRunnerOutput([7] * len(step.samplers)))
 
 
 def test_budget_and_max_num_seqs():

@@ -123,7 +123,7 @@ def test_what_crosses_the_boundary_is_plain_data(llm):
         data = pickle.dumps(step.model_input)  # what a runner in another process would receive
         assert b"fastdeploy.engine" not in data  # no Request, no engine object
         output = engine.runner.execute(pickle.loads(data))
-        assert output.sampled_token_ids.shape == (1,)
+        assert len(output.sampled_token_ids) == 1
         assert len(output.logprobs) == 1 and len(output.prompt_logprobs) == len(PROMPTS[0]) - 1
         assert b"fastdeploy.engine" not in pickle.dumps(output)
     finally:

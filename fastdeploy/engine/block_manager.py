@@ -10,6 +10,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from fastdeploy.engine.request import Request
 
 
@@ -51,6 +53,14 @@ class BlockManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def table_array(self, request_ids: Sequence[str]) -> np.ndarray:
+        """int64 [requests, widest table]: the requests' block tables, zero-padded."""
+        tables = [self.block_table(r) for r in request_ids]
+        out = np.zeros((len(tables), max(max(map(len, tables), default=0), 1)), dtype=np.int64)
+        for row, table in zip(out, tables):
+            row[:len(table)] = table
+        return out
 
     def match_prefix(self, request: Request) -> list[int]:
         """Ids of cached blocks holding a prefix of the request's tokens. At least one token is

@@ -18,7 +18,8 @@ from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.request import Request, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.engine.scheduler import ScheduledStep, Scheduler
+from fastdeploy.engine.scheduler import Scheduler
+from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
 from fastdeploy.guided.matcher import GuidedDecoding
 from fastdeploy.input.tokenizer import Tokenizer
@@ -192,7 +193,7 @@ class LLMEngine:
 
     def _process_text(self, step: ScheduledStep, output: ModelRunnerOutput) -> None:
         processor = self.output_processor
-        tokens = output.sampled_token_ids.tolist()
+        tokens = output.sampled_token_ids
         for (request, position), top in zip(step.prompt_rows, output.prompt_logprobs):
             processor.add_prompt_logprobs(request, position, top)
         for j, top in zip(step.model_input.logprob_rows.tolist(), output.logprobs):

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from fastdeploy.engine.request import Request
-from fastdeploy.engine.scheduler import ScheduledStep, Scheduler
+from fastdeploy.engine.scheduler import Scheduler
+from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.guided.matcher import GrammarMasks, GuidedDecoding
 from fastdeploy.output.output_processor import OutputProcessor
 from fastdeploy.reasoning.parsers import THINK_END

@@ -57,8 +57,10 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     return [paddle.empty(shape, dtype=dtype) for _ in range(num_layers)]
 
 
-def block_table_array(tables: Sequence[Sequence[int]]) -> np.ndarray:
-    """int64 [B, widest table] of the requests' block tables, zero-padded."""
+def block_table_array(tables: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
+    """int64 [B, widest table] of the requests' block tables, zero-padded (such an array: itself)."""
+    if isinstance(tables, np.ndarray) and tables.ndim == 2 and tables.dtype == np.int64:
+        return tables
     width = max(max(map(len, tables), default=0), 1)
     if all(len(t) == width for t in tables):
         return np.array(tables, dtype=np.int64).reshape(len(tables), width)

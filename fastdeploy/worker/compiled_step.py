@@ -153,7 +153,10 @@ class CompiledDecoder:
             final_norm=_address(decoder.norm.weight), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
             max_positions=max_positions, cache_bf16=int(kv_caches[0].dtype == paddle.bfloat16))
         self.vocab = model.lm_head.packed.n
-        self._scratch_logits = np.empty((0, self.vocab), dtype=np.float32)  # forward_greedy's logits
+        # forward_greedy's outputs: the logits (unread) and the tokens, as a view, and their addresses.
+        self._scratch_logits = np.empty((0, self.vocab), dtype=np.float32)
+        self._argmax = memoryview(b"")
+        self._scratch_addresses = (0, 0)
         self._dll = ctypes.CDLL(str(lib.path))  # the library Paddle already loaded: same handle
         self._step = self._dll.fd_decoder_step
         self._step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch), _ptr]
@@ -163,6 +166,7 @@ class CompiledDecoder:
         self._phases = self._dll.fd_step_phase_seconds
         self._phases.argtypes = [_ptr, _ptr]
         self._workspace = new()
+        self._kept: tuple[tuple[Any, ...], _Batch] | None = None  # the last batch's arrays and _Batch
 
     def __del__(self) -> None:
         if getattr(self, "_workspace", None):
@@ -205,30 +209,47 @@ class CompiledDecoder:
         self._run(inputs, logits.data_ptr() if rows else None, None)
         return logits if rows else None
 
-    def forward_greedy(self, inputs: ForwardBatch) -> np.ndarray:
+    def forward_greedy(self, inputs: ForwardBatch) -> list[int]:
         """The forward pass and the greedy token of each logit row (the sampling op's argmax: first maximum,
         first NaN), taken inside the same call while the logits are in cache; the logits themselves go to
         a scratch buffer. For steps whose rows are all plain greedy."""
         rows = len(inputs.logit_rows)
-        if self._scratch_logits.shape[0] < rows:
+        if not rows:
+            self._run(inputs, None, None)
+            return []
+        if len(self._argmax) < rows:
+            # Buffers and addresses made once: numpy's code is cold after a step's weight stream, and even
+            # np.empty and .ctypes cost tens of microseconds at one stream.
             self._scratch_logits = np.empty((rows, self.vocab), dtype=np.float32)
-        tokens = np.empty(rows, dtype=np.int64)
-        self._run(inputs, self._scratch_logits.ctypes.data if rows else None, tokens.ctypes.data if rows else None)
-        return tokens
+            argmax = np.empty(rows, dtype=np.int64)
+            self._argmax = memoryview(argmax).cast("B").cast(argmax.dtype.char)
+            self._scratch_addresses = (self._scratch_logits.ctypes.data, argmax.ctypes.data)
+        self._run(inputs, *self._scratch_addresses)
+        return self._argmax[:rows].tolist()
 
     def _run(self, inputs: ForwardBatch, logits: int | None, argmax: int | None) -> None:
-        # The step derives query starts and cache slots itself: at one stream the numpy calls that built
-        # them here cost about as much as the attention over a short context.
-        ids = np.ascontiguousarray(inputs.token_ids, dtype=np.int64)
-        positions = np.ascontiguousarray(inputs.positions, dtype=np.int64)
-        rows = np.ascontiguousarray(inputs.logit_rows, dtype=np.int64)
-        q_lens = np.array(inputs.query_lens, dtype=np.int64)
-        ctx_lens = np.array(inputs.context_lens, dtype=np.int64)
-        tables = block_table_array(inputs.block_tables)
-        batch = _Batch(ids.ctypes.data, positions.ctypes.data, q_lens.ctypes.data, ctx_lens.ctypes.data,
-                       tables.ctypes.data, rows.ctypes.data, logits, len(ids), len(ctx_lens), tables.shape[1],
-                       len(rows), argmax)
+        batch = self._batch(inputs)
+        batch.logits, batch.argmax = logits, argmax
         rc = self._step(ctypes.byref(self._model), ctypes.byref(batch), self._workspace)
         if rc != 0:
             raise ValueError(f"fd_decoder_step rejected the batch (code {rc}): a token id, position, logit row, "
                              f"query length or block is out of range")
+
+    def _batch(self, inputs: ForwardBatch) -> _Batch:
+        """The batch as the library takes it (it derives query starts and cache slots itself: at one stream
+        the numpy calls that built them here cost about as much as the attention over a short context).
+        The engine moves a decoding batch on by updating its arrays in place (engine/steady_decode.py), so
+        when the library reads the arrays themselves, not copies, their _Batch is kept for the next step."""
+        arrays = (inputs.token_ids, inputs.positions, inputs.query_lens, inputs.context_lens, inputs.block_tables,
+                  inputs.logit_rows)
+        if self._kept is not None and all(a is b for a, b in zip(arrays, self._kept[0])):
+            return self._kept[1]
+        ids, positions, q_lens, ctx_lens = (np.ascontiguousarray(a, dtype=np.int64) for a in arrays[:4])
+        tables = np.ascontiguousarray(block_table_array(inputs.block_tables))
+        rows = np.ascontiguousarray(inputs.logit_rows, dtype=np.int64)
+        given = (ids, positions, q_lens, ctx_lens, tables, rows)
+        batch = _Batch(ids.ctypes.data, positions.ctypes.data, q_lens.ctypes.data, ctx_lens.ctypes.data,
+                       tables.ctypes.data, rows.ctypes.data, None, len(ids), len(ctx_lens), tables.shape[1],
+                       len(rows), None)
+        self._kept = (arrays, batch) if all(a is b for a, b in zip(arrays, given)) else None
+        return batch

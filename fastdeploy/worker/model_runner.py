@@ -78,10 +78,11 @@ def with_logit_bias(logits: paddle.Tensor, step: SchedulerOutput) -> paddle.Tens
     return biased
 
 
-def with_forced_tokens(tokens: np.ndarray, step: SchedulerOutput) -> np.ndarray:
+def with_forced_tokens(tokens: list[int], step: SchedulerOutput) -> list[int]:
     """The sampled tokens with the forced ones put in their rows."""
-    forced = step.forced_token_ids
-    return np.where(forced >= 0, forced, tokens) if len(forced) else tokens
+    if not len(step.forced_token_ids):
+        return tokens
+    return [f if f >= 0 else t for f, t in zip(step.forced_token_ids.tolist(), tokens)]
 
 
 @paddle.no_grad()
@@ -130,9 +131,10 @@ class VisionCache:
 
 def warmup_inputs(num_tokens: int, block_size: int) -> ForwardBatch:
     """One request of `num_tokens` zeros in the first blocks, with the last row's logits."""
-    blocks = list(range(-(-num_tokens // block_size)))
-    return ForwardBatch(np.zeros(num_tokens, np.int64), np.arange(num_tokens, dtype=np.int64), [num_tokens],
-                       [num_tokens], [blocks], np.asarray([num_tokens - 1], np.int64))
+    blocks = np.arange(-(-num_tokens // block_size), dtype=np.int64)[None]
+    lens = np.asarray([num_tokens], np.int64)
+    return ForwardBatch(np.zeros(num_tokens, np.int64), np.arange(num_tokens, dtype=np.int64), lens, lens, blocks,
+                        lens - 1)
 
 
 class ModelRunner:
@@ -230,7 +232,7 @@ class ModelRunner:
             return ModelRunnerOutput(with_forced_tokens(greedy, step))
         logits = self._forward(step.forward)
         num_samples = step.num_samples
-        tokens = np.zeros(0, dtype=np.int64)
+        tokens: list[int] = []
         if len(step.guided_rows):
             if wait_for_masks is not None:
                 wait_for_masks()
@@ -240,14 +242,14 @@ class ModelRunner:
             sampled_from = with_logit_bias(logits[:num_samples], step)
             if self.config.logprobs_mode.startswith("processed") and len(step.logprob_rows):
                 thresholds = np.empty(num_samples, dtype=np.float32)
-            tokens = with_forced_tokens(self.sampler(sampled_from, step.sampling, thresholds), step)
+            tokens = with_forced_tokens(self.sampler(sampled_from, step.sampling, thresholds).tolist(), step)
         output = ModelRunnerOutput(tokens)
         if len(step.logprob_rows) or len(step.prompt_logprob_k):
             output.logprobs, output.prompt_logprobs = self._logprobs(step, logits, sampled_from, thresholds, tokens)
         return output
 
     def _logprobs(self, step: SchedulerOutput, logits: paddle.Tensor, sampled_from: paddle.Tensor | np.ndarray | None,
-                  thresholds: np.ndarray | None, tokens: np.ndarray) -> tuple[list[TopLogprobs], list[TopLogprobs]]:
+                  thresholds: np.ndarray | None, tokens: list[int]) -> tuple[list[TopLogprobs], list[TopLogprobs]]:
         """The entries of the sampling rows asking for logprobs and of the prompt rows, as logprobs_mode says:
         raw (the model's logits; a grammar's mask included, as in vLLM) or, for sampling rows, processed (what
         the sampler drew from: `sampled_from` with bans, penalties, temperature and the rows' `thresholds`);
@@ -268,7 +270,7 @@ class ModelRunner:
                 [top_logprobs(prompt[i], int(k), int(target))
                  for i, (k, target) in enumerate(zip(step.prompt_logprob_k, step.prompt_logprob_targets))])
 
-    def _compiled_greedy(self, step: SchedulerOutput) -> np.ndarray | None:
+    def _compiled_greedy(self, step: SchedulerOutput) -> list[int] | None:
         """The step's sampled tokens when the compiled step runs it, every row is plain greedy (what the
         sampler would answer with a bare argmax) and nothing else needs the logits (logprobs, logit bias,
         grammar), taken inside the forward call; None otherwise."""

@@ -29,9 +29,9 @@ class ForwardBatch:
 
     token_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64, or [3, T] (t, h, w) for a multimodal step
-    query_lens: list[int]  # new tokens per request
-    context_lens: list[int]  # tokens per request once this step's are added
-    block_tables: list[list[int]]  # KV blocks of each request
+    query_lens: np.ndarray  # [B] int64: new tokens per request
+    context_lens: np.ndarray  # [B] int64: tokens per request once this step's are added
+    block_tables: np.ndarray  # [B, max_blocks] int64: KV blocks of each request, zero-padded
     logit_rows: np.ndarray  # [S + P] int64: hidden-state rows whose logits are needed: S samples, then P prompt rows
     # Multimodal steps (some request has media): positions are [3, T], token types [T] (0 text, 1 image,
     # 2 video) and the vision rows of the chunk's placeholders, request after request.
@@ -82,6 +82,6 @@ class TopLogprobs:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled_token_ids: np.ndarray  # [S] int64
+    sampled_token_ids: list[int]  # [S]
     logprobs: list[TopLogprobs] = field(default_factory=list)  # one per SchedulerOutput.logprob_rows entry
     prompt_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per prompt row

@@ -1,0 +1,205 @@
+"""A scheduled step as arrays: `build_step` turns the requests the scheduler chose, and their new-token
+counts, into the runner's SchedulerOutput (the ragged batch, each sampling row's parameters, drawn
+uniforms, bans, bias and forced tokens: every decision of a request's policy is made here, on the engine
+side), kept with the requests in a ScheduledStep for the scheduler's update after the step.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from fastdeploy.engine.block_manager import BlockManager
+from fastdeploy.engine.request import Request
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.ops.sampling_reference import SamplingBatch, greedy_rows
+from fastdeploy.input.ernie4_5_vl_positions import text_positions
+from fastdeploy.worker.step_types import ForwardBatch, SchedulerOutput, VisionSlice
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """One step as the engine sees it: the requests and their new-token counts, which of them sample
+    (the runner's sampling rows, in order) and which prompt positions give logprobs, and the
+    SchedulerOutput handed to the runner."""
+
+    requests: list[Request]
+    num_new_tokens: list[int]
+    samplers: list[Request]
+    prompt_rows: list[tuple[Request, int]]  # (request, prompt position) per prompt-logprob row
+    model_input: SchedulerOutput
+
+
+def banned_tokens(request: Request) -> list[int]:
+    """Ids the request must not produce next: EOS and stop ids below min_tokens, and the last token of
+    every bad-word sequence whose other tokens end the output."""
+    banned = []
+    if request.below_min_tokens:
+        banned.extend(request.eos_token_ids)
+        banned.extend(request.params.stop_token_ids or ())
+    if request.bad_words:
+        output = request.output_token_ids
+        for seq in request.bad_words:
+            prefix = seq[:-1]
+            if not prefix or (len(prefix) <= len(output) and tuple(output[len(output) - len(prefix):]) == prefix):
+                banned.append(seq[-1])
+    return banned
+
+
+_POLICY_COLUMNS = (("temperature", np.float32), ("top_p", np.float32), ("top_k", np.int64), ("min_p", np.float32),
+                   ("repetition_penalty", np.float32), ("frequency_penalty", np.float32),
+                   ("presence_penalty", np.float32))
+
+
+@dataclass(slots=True)
+class SamplingPolicies:
+    """The sampling-parameter columns of one list of sampling requests. A decode batch samples the same
+    requests step after step, so the scheduler keeps the last one: at one stream, building these arrays
+    anew was a good part of the step's Python."""
+
+    requests: list[Request]
+    columns: dict[str, np.ndarray]
+    greedy: np.ndarray  # bool [B]
+    sampled_rows: list[int]  # the rows that draw (not greedy)
+    penalized: bool  # some row has a repetition, frequency or presence penalty
+
+    @classmethod
+    def of(cls, requests: list[Request]) -> SamplingPolicies:
+        columns = {name: np.array([getattr(r.params, name) for r in requests], dtype=dtype)
+                   for name, dtype in _POLICY_COLUMNS}
+        greedy = greedy_rows(columns["temperature"], columns["top_p"], columns["top_k"])
+        penalized = any(r.params.repetition_penalty != 1 or r.params.frequency_penalty != 0
+                        or r.params.presence_penalty != 0 for r in requests)
+        return cls(list(requests), columns, greedy, np.flatnonzero(~greedy).tolist(), penalized)
+
+
+class PolicyCache:
+    """The SamplingPolicies of the last list of sampling requests seen."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: SamplingPolicies | None = None
+
+    def get(self, requests: list[Request]) -> SamplingPolicies:
+        last = self.last
+        if (last is None or len(requests) != len(last.requests)
+                or any(a is not b for a, b in zip(requests, last.requests))):
+            self.last = last = SamplingPolicies.of(requests)
+        return last
+
+    def forget(self, request: Request) -> None:
+        """Drop the kept policies if they hold `request` (finished: not to be kept alive, media and all)."""
+        if self.last is not None and any(r is request for r in self.last.requests):
+            self.last = None
+
+
+def sampling_batch(requests: list[Request], policies: SamplingPolicies | None = None) -> SamplingBatch:
+    """The sampling rows of `requests` (`policies`: their columns, if already built); each sampled
+    (non-greedy) row draws its uniform from the request's own generator, in row order, so a seeded
+    request's tokens never depend on the batch."""
+    policies = policies or SamplingPolicies.of(requests)
+    uniforms = np.zeros(len(requests), dtype=np.float64)
+    for i in policies.sampled_rows:
+        uniforms[i] = requests[i].generator.random()
+    banned = [banned_tokens(r) for r in requests]
+    # Without penalties the answer is known here; with them it depends on each row's history.
+    plain = None if policies.penalized else not policies.sampled_rows and not any(banned)
+    return SamplingBatch(
+        **policies.columns, prompt_token_ids=[r.prompt_token_ids for r in requests],
+        output_token_ids=[r.output_token_ids for r in requests], banned_token_ids=banned, uniforms=uniforms,
+        greedy=policies.greedy, plain=plain)
+
+
+def logprob_transforms(params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
+    """Per logprob row, the temperature to scale by and the top_p to renormalise to (1: off), as
+    FastDeploy's temp_scaled_logprobs / top_p_normalized_logprobs. Temperature 0 (greedy) scales by 1."""
+    temperature = [p.temperature if p.temp_scaled_logprobs and p.temperature else 1.0 for p in params]
+    top_p = [p.top_p if p.top_p_normalized_logprobs else 1.0 for p in params]
+    return np.asarray(temperature, dtype=np.float32), np.asarray(top_p, dtype=np.float32)
+
+
+_NONE_I64 = np.zeros(0, dtype=np.int64)
+_NONE_I64.flags.writeable = False
+_NONE_F32 = np.zeros(0, dtype=np.float32)
+_NONE_F32.flags.writeable = False
+
+
+def _int64(values: list[int]) -> np.ndarray:
+    # Most of a step's per-row lists are empty (no bias, no logprobs): one shared read-only array for those.
+    return np.asarray(values, dtype=np.int64) if values else _NONE_I64
+
+
+def add_multimodal(forward: ForwardBatch, requests: list[Request], counts: list[int]) -> None:
+    """3-D positions, token types and vision rows of a step with a multimodal request: prompt tokens take
+    the prepared positions; later tokens index + rope_delta on all axes, type 0; text requests t = h = w."""
+    positions, types = [], []
+    for request, n in zip(requests, counts):
+        begin, mm = request.num_computed_tokens, request.mm
+        if mm is None:
+            positions.append(np.broadcast_to(np.arange(begin, begin + n, dtype=np.int64), (3, n)))
+            types.append(np.zeros(n, np.int64))
+            continue
+        prompt_end = min(begin + n, request.num_prompt_tokens)
+        pos, kinds = [mm.positions[:, begin:prompt_end]], [mm.token_types[begin:prompt_end]]
+        if begin + n > prompt_end:
+            first = max(begin, request.num_prompt_tokens)
+            pos.append(text_positions(first, begin + n - first, mm.rope_delta))
+            kinds.append(np.zeros(begin + n - first, np.int64))
+        positions.append(np.concatenate(pos, axis=1))
+        types.append(np.concatenate(kinds))
+        if begin < request.num_prompt_tokens:
+            rows = np.isin(np.asarray(request.prompt_token_ids[:prompt_end]), mm.placeholder_ids)
+            lo, hi = int(rows[:begin].sum()), int(rows.sum())
+            if lo < mm.num_vision_rows:  # also a text-only chunk before more media: keeps its rows encoded
+                forward.vision.append(VisionSlice(request.request_id, mm.pixel_values, mm.grid_thw, mm.row_order,
+                                                  lo, hi))
+    forward.positions = np.ascontiguousarray(np.concatenate(positions, axis=1))
+    forward.token_types = np.concatenate(types)
+
+
+def build_step(requests: list[Request], counts: list[int], block_manager: BlockManager,
+               policies: PolicyCache | None = None) -> ScheduledStep:
+    ids: list[int] = []
+    positions: list[int] = []
+    context_lens: list[int] = []
+    for request, n in zip(requests, counts):
+        begin = request.num_computed_tokens
+        ids.extend(request.token_ids[begin:begin + n])
+        positions.extend(range(begin, begin + n))
+        context_lens.append(begin + n)
+    # Rows that finish their known tokens this step produce the next token; prompt rows of requests
+    # asking for prompt_logprobs get logits too.
+    starts = list(itertools.accumulate(counts, initial=0))
+    sampling = [i for i, (r, c) in enumerate(zip(requests, context_lens)) if c == r.num_tokens]
+    samplers = [requests[i] for i in sampling]
+    prompt_rows = [(r, p, starts[i] + p - r.num_computed_tokens)
+                   for i, r in enumerate(requests) if r.wants_prompt_logprobs
+                   for p in range(r.num_computed_tokens, min(context_lens[i], r.num_prompt_tokens - 1))]
+    forward = ForwardBatch(
+        _int64(ids), _int64(positions), np.asarray(counts, dtype=np.int64), np.asarray(context_lens, dtype=np.int64),
+        block_manager.table_array([r.request_id for r in requests]),
+        _int64([starts[i + 1] - 1 for i in sampling] + [row for _, _, row in prompt_rows]))
+    if any(r.mm is not None for r in requests):
+        add_multimodal(forward, requests, counts)
+    bias = [(j, t, v) for j, r in enumerate(samplers) for t, v in r.params.logit_bias.items()]
+    # Rows that want their token's logprob: asked for logprobs, or ranked as best_of candidates.
+    logprob_rows = [j for j, r in enumerate(samplers) if r.params.logprobs is not None or r.params.ranks_candidates]
+    model_input = SchedulerOutput(
+        forward=forward,
+        sampling=sampling_batch(samplers, policies.get(samplers) if policies is not None else None),
+        forced_token_ids=_int64([r.forced_tokens[0] if r.forced_tokens else -1 for r in samplers]
+                                if any(r.forced_tokens for r in samplers) else []),
+        bias_rows=_int64([j for j, _, _ in bias]),
+        bias_token_ids=_int64([t for _, t, _ in bias]),
+        bias_values=np.asarray([v for _, _, v in bias], dtype=np.float32) if bias else _NONE_F32,
+        logprob_rows=_int64(logprob_rows),
+        logprob_k=_int64([samplers[j].params.logprobs or 0 for j in logprob_rows]),
+        prompt_logprob_k=_int64([r.params.prompt_logprobs for r, _, _ in prompt_rows]),
+        prompt_logprob_targets=_int64([r.prompt_token_ids[p + 1] for r, p, _ in prompt_rows]))
+    if any(samplers[j].params.temp_scaled_logprobs or samplers[j].params.top_p_normalized_logprobs
+           for j in logprob_rows):
+        model_input.logprob_temperature, model_input.logprob_top_p = logprob_transforms(
+            [samplers[j].params for j in logprob_rows])
+    return ScheduledStep(list(requests), list(counts), samplers, [(r, p) for r, p, _ in prompt_rows], model_input)
