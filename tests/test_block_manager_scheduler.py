@@ -8,7 +8,7 @@ from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestMetrics, RequestStatus
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
-from fastdeploy.engine.step_builder import PolicyCache, sampling_batch
+from fastdeploy.engine.step_builder import sampling_batch
 from fastdeploy.worker.step_types import ModelRunnerOutput
 
 
@@ -183,9 +183,9 @@ def test_scheduler_never_exceeds_pool(caching):
     assert not sched.has_unfinished()
 
 
-def test_kept_sampling_policies_give_what_the_arrays_give():
-    """The scheduler keeps a decode batch's parameter columns and answers greedy / plain-greedy itself:
-    the same as computing them from the arrays, for greedy, sampled, banned and penalised rows."""
+def test_sampling_batch_answers_what_the_arrays_give():
+    """The scheduler answers greedy / plain-greedy itself when it builds the sampling rows: the same as
+    computing them from the arrays, for greedy, sampled, banned and penalised rows."""
     def request(rid, outputs=(), eos=frozenset(), **params):
         r = Request(request_id=rid, prompt_token_ids=[1, 2, 3], params=SamplingParams(**params).with_model_defaults({}),
                     max_tokens=8, eos_token_ids=eos, generator=np.random.default_rng(0),
@@ -202,15 +202,9 @@ def test_kept_sampling_policies_give_what_the_arrays_give():
         [request("f", temperature=0, frequency_penalty=0.5)],  # no output yet: nothing to act on
         [request("f2", outputs=[5], temperature=0, presence_penalty=0.5)],
     ]
-    cache = PolicyCache()
-    for requests in cases + cases[::-1]:
-        kept = sampling_batch(requests, cache.get(requests))
+    for requests in cases:
+        kept = sampling_batch(requests)
         computed = dataclasses.replace(kept, greedy=None, plain=None)
         np.testing.assert_array_equal(kept.greedy_mask(), computed.greedy_mask())
         assert kept.plain_greedy() == computed.plain_greedy(), [r.request_id for r in requests]
     assert [sampling_batch(c).plain_greedy() for c in cases] == [True, True, False, False, False, True, False]
-    assert cache.get(cases[0]) is cache.get(list(cases[0]))  # kept while the same requests sample
-    cache.forget(cases[1][1])  # a request not in the kept list: kept
-    assert cache.last is not None
-    cache.forget(greedy)  # a finished request is not kept alive
-    assert cache.last is None

@@ -20,7 +20,7 @@ from collections import deque
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestStatus
 from fastdeploy.engine.steady_decode import SteadyDecode
-from fastdeploy.engine.step_builder import PolicyCache, ScheduledStep, build_step
+from fastdeploy.engine.step_builder import ScheduledStep, build_step
 from fastdeploy.worker.step_types import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # the unfinished ones, by id
         self.num_preemptions = 0
-        self._policies = PolicyCache()
         self._steady = SteadyDecode()
 
     def add(self, request: Request) -> None:
@@ -100,7 +99,7 @@ class Scheduler:
             budget -= num_new
         step = self._steady.advance(scheduled, counts, self.block_manager)
         if step is None:
-            step = build_step(scheduled, counts, self.block_manager, self._policies)
+            step = build_step(scheduled, counts, self.block_manager)
             self._steady.keep(step)
         return step
 
@@ -133,7 +132,6 @@ class Scheduler:
         """Finish the request and free its blocks. Finishing one already finished only changes its reason
         (a stop string found in the final text)."""
         request.finish(reason, stop_reason)
-        self._policies.forget(request)
         self._steady.forget()
         if self.requests.pop(request.request_id, None) is None:
             return

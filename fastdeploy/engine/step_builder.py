@@ -52,64 +52,26 @@ _POLICY_COLUMNS = (("temperature", np.float32), ("top_p", np.float32), ("top_k",
                    ("presence_penalty", np.float32))
 
 
-@dataclass(slots=True)
-class SamplingPolicies:
-    """The sampling-parameter columns of one list of sampling requests. A decode batch samples the same
-    requests step after step, so the scheduler keeps the last one: at one stream, building these arrays
-    anew was a good part of the step's Python."""
-
-    requests: list[Request]
-    columns: dict[str, np.ndarray]
-    greedy: np.ndarray  # bool [B]
-    sampled_rows: list[int]  # the rows that draw (not greedy)
-    penalized: bool  # some row has a repetition, frequency or presence penalty
-
-    @classmethod
-    def of(cls, requests: list[Request]) -> SamplingPolicies:
-        columns = {name: np.array([getattr(r.params, name) for r in requests], dtype=dtype)
-                   for name, dtype in _POLICY_COLUMNS}
-        greedy = greedy_rows(columns["temperature"], columns["top_p"], columns["top_k"])
-        penalized = any(r.params.repetition_penalty != 1 or r.params.frequency_penalty != 0
-                        or r.params.presence_penalty != 0 for r in requests)
-        return cls(list(requests), columns, greedy, np.flatnonzero(~greedy).tolist(), penalized)
-
-
-class PolicyCache:
-    """The SamplingPolicies of the last list of sampling requests seen."""
-
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        self.last: SamplingPolicies | None = None
-
-    def get(self, requests: list[Request]) -> SamplingPolicies:
-        last = self.last
-        if (last is None or len(requests) != len(last.requests)
-                or any(a is not b for a, b in zip(requests, last.requests))):
-            self.last = last = SamplingPolicies.of(requests)
-        return last
-
-    def forget(self, request: Request) -> None:
-        """Drop the kept policies if they hold `request` (finished: not to be kept alive, media and all)."""
-        if self.last is not None and any(r is request for r in self.last.requests):
-            self.last = None
-
-
-def sampling_batch(requests: list[Request], policies: SamplingPolicies | None = None) -> SamplingBatch:
-    """The sampling rows of `requests` (`policies`: their columns, if already built); each sampled
-    (non-greedy) row draws its uniform from the request's own generator, in row order, so a seeded
-    request's tokens never depend on the batch."""
-    policies = policies or SamplingPolicies.of(requests)
+def sampling_batch(requests: list[Request]) -> SamplingBatch:
+    """The sampling rows of `requests`, with which rows are greedy and, where that is known here, whether
+    the step is plain greedy. Each sampled (non-greedy) row draws its uniform from the request's own
+    generator, so a seeded request's tokens never depend on the batch."""
+    columns = {name: np.array([getattr(r.params, name) for r in requests], dtype=dtype)
+               for name, dtype in _POLICY_COLUMNS}
+    greedy = greedy_rows(columns["temperature"], columns["top_p"], columns["top_k"])
     uniforms = np.zeros(len(requests), dtype=np.float64)
-    for i in policies.sampled_rows:
+    sampled_rows = np.flatnonzero(~greedy).tolist()
+    for i in sampled_rows:
         uniforms[i] = requests[i].generator.random()
     banned = [banned_tokens(r) for r in requests]
     # Without penalties the answer is known here; with them it depends on each row's history.
-    plain = None if policies.penalized else not policies.sampled_rows and not any(banned)
+    penalized = any(r.params.repetition_penalty != 1 or r.params.frequency_penalty != 0
+                    or r.params.presence_penalty != 0 for r in requests)
+    plain = None if penalized else not sampled_rows and not any(banned)
     return SamplingBatch(
-        **policies.columns, prompt_token_ids=[r.prompt_token_ids for r in requests],
+        **columns, prompt_token_ids=[r.prompt_token_ids for r in requests],
         output_token_ids=[r.output_token_ids for r in requests], banned_token_ids=banned, uniforms=uniforms,
-        greedy=policies.greedy, plain=plain)
+        greedy=greedy, plain=plain)
 
 
 def logprob_transforms(params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
@@ -159,8 +121,7 @@ def add_multimodal(forward: ForwardBatch, requests: list[Request], counts: list[
     forward.token_types = np.concatenate(types)
 
 
-def build_step(requests: list[Request], counts: list[int], block_manager: BlockManager,
-               policies: PolicyCache | None = None) -> ScheduledStep:
+def build_step(requests: list[Request], counts: list[int], block_manager: BlockManager) -> ScheduledStep:
     ids: list[int] = []
     positions: list[int] = []
     context_lens: list[int] = []
@@ -188,7 +149,7 @@ def build_step(requests: list[Request], counts: list[int], block_manager: BlockM
     logprob_rows = [j for j, r in enumerate(samplers) if r.params.logprobs is not None or r.params.ranks_candidates]
     model_input = SchedulerOutput(
         forward=forward,
-        sampling=sampling_batch(samplers, policies.get(samplers) if policies is not None else None),
+        sampling=sampling_batch(samplers),
         forced_token_ids=_int64([r.forced_tokens[0] if r.forced_tokens else -1 for r in samplers]
                                 if any(r.forced_tokens for r in samplers) else []),
         bias_rows=_int64([j for j, _, _ in bias]),
