@@ -42,6 +42,23 @@ FD_INLINE VF vload_bf16(const uint16_t* p) {
 // lane-wise accumulators, once per output vector). Here: already in order.
 FD_INLINE VF vload_bf16_shuffled(const uint16_t* p) { return vload_bf16(p); }
 FD_INLINE VF vunshuffle_bf16(VF a) { return a; }
+// Lane-wise bf16_rounded_bits (kern_elementwise.inc): rounded to bf16, nearest even, as fp32; zeros and
+// denormals to signed zero, NaN quiet.
+FD_INLINE VF vround_bf16(VF x) {
+  const __m512i u = _mm512_castps_si512(x.v);
+  const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), high = _mm512_set1_epi32(-65536);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), high);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7F800000)),
+                            _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), high));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(0x00800000)),
+                            _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  return {_mm512_castsi512_ps(r)};
+}
+// The 16 lanes' upper halves (the bf16 of a rounded value) as 16 consecutive uint16.
+FD_INLINE void vstore_bf16_upper(uint16_t* p, VF x) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x.v), 16)));
+}
 FD_INLINE VF vadd(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
 FD_INLINE VF vsub(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
 FD_INLINE VF vmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -177,6 +194,26 @@ FD_INLINE VF vload_bf16_shuffled(const uint16_t* p) {
 FD_INLINE VF vunshuffle_bf16(VF a) {
   const __m256 even_odd_lo = _mm256_unpacklo_ps(a.lo, a.hi), even_odd_hi = _mm256_unpackhi_ps(a.lo, a.hi);
   return {_mm256_permute2f128_ps(even_odd_lo, even_odd_hi, 0x20), _mm256_permute2f128_ps(even_odd_lo, even_odd_hi, 0x31)};
+}
+// Lane-wise bf16_rounded_bits (kern_elementwise.inc): rounded to bf16, nearest even, as fp32; zeros and
+// denormals to signed zero, NaN quiet.
+FD_INLINE __m256 round_bf16x8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), high = _mm256_set1_epi32(-65536);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), high);
+  r = _mm256_blendv_epi8(r, _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), high),
+                         _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000)));
+  r = _mm256_blendv_epi8(r, _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0x80000000u))),
+                         _mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), mag));
+  return _mm256_castsi256_ps(r);
+}
+FD_INLINE VF vround_bf16(VF x) { return {round_bf16x8(x.lo), round_bf16x8(x.hi)}; }
+// The 16 lanes' upper halves (the bf16 of a rounded value) as 16 consecutive uint16.
+FD_INLINE void vstore_bf16_upper(uint16_t* p, VF x) {
+  const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(x.lo), 16),
+                                             _mm256_srli_epi32(_mm256_castps_si256(x.hi), 16));
+  _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(packed, 0xD8));
 }
 #define FD_F2(op) {op(a.lo, b.lo), op(a.hi, b.hi)}
 FD_INLINE VF vadd(VF a, VF b) { return FD_F2(_mm256_add_ps); }

@@ -6,7 +6,9 @@ query_start_loc[b] .. query_start_loc[b+1]-1, which are the last tokens of its c
 context position p lives in cache slot block_tables[b, p // block_size] * block_size + p % block_size,
 whose keys are kv_cache[0, slot // block_size, :, slot % block_size] (values: kv_cache[1, ...]).
 The new K/V are first written at slot_mapping (negative slots are skipped), then every query attends
-causally to its request's context. GQA: query head h reads kv head h // (H / KVH).
+causally to its request's context. GQA: query head h reads kv head h // (H / KVH). A bf16 cache holds
+K/V rounded to bf16, and the scores take the queries, scaled, rounded to bf16 too (as a bf16 dot product
+does; on CPUs with AVX512_BF16 the kernel uses one).
 """
 from __future__ import annotations
 
@@ -64,7 +66,10 @@ def paged_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tens
         keys, values = (paddle.repeat_interleave(paddle.gather(flat[i], index).astype("float32").reshape([c, kvh, d]),
                                                  h // kvh, axis=1) for i in (0, 1))  # [c, H, D]
         queries = q[int(starts[b]):int(starts[b + 1])].transpose([1, 0, 2])  # [H, n, D]
-        scores = paddle.matmul(queries, keys.transpose([1, 2, 0])) * scale  # [H, n, c]
+        if kv_cache.dtype == paddle.bfloat16:  # scaled queries rounded to the keys' precision
+            scores = paddle.matmul((queries * scale).astype("bfloat16").astype("float32"), keys.transpose([1, 2, 0]))
+        else:
+            scores = paddle.matmul(queries, keys.transpose([1, 2, 0])) * scale  # [H, n, c]
         q_pos = c - n + np.arange(n)
         bias = np.where(pos[None, :] <= q_pos[:, None], 0.0, -np.inf).astype(np.float32)
         probs = F.softmax(scores + paddle.to_tensor(bias), axis=-1)
