@@ -89,6 +89,7 @@ ATTENTION_CASES = [
     (8, 1, 128, 16, [130], [200]),  # a prefill chunk longer than one work tile, with cached prefix
     (8, 2, 64, 64, [0, 5, 0, 2], [9, 5, 30, 2]),  # requests with no new tokens in the step
     (4, 2, 16, 16, [1, 9], [33, 9]),  # the tiny test checkpoints' head_dim
+    (8, 2, 48, 16, [1, 20], [40, 20]),  # head_dim no multiple of 32: no bf16 pair dot products
     (8, 2, 64, 24, [1, 30, 5], [50, 30, 77]),  # a block size that is no multiple of 16: chunks span blocks
     (16, 2, 128, 64, [1], [2600]),  # one long decode: its kv heads shared out to the threads
     (16, 1, 128, 64, [1], [2600]),  # one kv head (fewer than threads): its 512-position spans shared out
