@@ -61,7 +61,10 @@ struct StepBatch {
   const int64_t* logit_rows; // [R]
   float* logits;             // [R, vocab]
   int64_t T, B, max_blocks, R;
-  int64_t* argmax;           // [R] or nullptr: also each logit row's greedy token (the sampling op's argmax)
+  int64_t* argmax;           // [R] or nullptr: also each logit row's token, taken while the logits are in cache:
+                             // the sampling op's argmax, or with sample_params its draw
+  const double* sample_params;  // [R, kSampleCols] (the sampling op's table) or nullptr: greedy argmax
+  const int64_t* sample_offsets;  // [3R + 1] zeros: no banned, prompt or output ids (nothing penalised)
 };
 
 // Where a step's time goes (the benchmarks report the share outside the weight-streaming GEMMs). Keep in
@@ -275,7 +278,12 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
   kt.linear(LinearArgs{b.rows_y, m.lm_head.w, m.lm_head.scales, s.logits, s.R, m.lm_head.K, m.lm_head.N,
                        m.lm_head.fmt});
   // Plain greedy rows (no bans or penalties), taken while the logits are still in cache.
-  if (s.argmax != nullptr) kt.argmax(s.logits, s.R, m.lm_head.N, s.argmax);
+  if (s.argmax != nullptr && s.sample_params == nullptr) kt.argmax(s.logits, s.R, m.lm_head.N, s.argmax);
+  if (s.argmax != nullptr && s.sample_params != nullptr) {
+    float* tau = static_cast<float*>(scratch(7, s.R * sizeof(float)));  // unread: no logprobs here
+    kt.sample(SampleArgs{s.logits, s.sample_offsets, s.sample_offsets, s.sample_params, s.argmax, tau, s.R,
+                         m.lm_head.N});
+  }
   clock.mark(kHead);
   return 0;
 }

@@ -184,8 +184,8 @@ def test_scheduler_never_exceeds_pool(caching):
 
 
 def test_sampling_batch_answers_what_the_arrays_give():
-    """The scheduler answers greedy / plain-greedy itself when it builds the sampling rows: the same as
-    computing them from the arrays, for greedy, sampled, banned and penalised rows."""
+    """The scheduler answers greedy / untouched / plain-greedy itself when it builds the sampling rows: the
+    same as computing them from the arrays, for greedy, sampled, banned and penalised rows."""
     def request(rid, outputs=(), eos=frozenset(), **params):
         r = Request(request_id=rid, prompt_token_ids=[1, 2, 3], params=SamplingParams(**params).with_model_defaults({}),
                     max_tokens=8, eos_token_ids=eos, generator=np.random.default_rng(0),
@@ -204,7 +204,8 @@ def test_sampling_batch_answers_what_the_arrays_give():
     ]
     for requests in cases:
         kept = sampling_batch(requests)
-        computed = dataclasses.replace(kept, greedy=None, plain=None)
+        computed = dataclasses.replace(kept, greedy=None, plain=None, untouched=None)
         np.testing.assert_array_equal(kept.greedy_mask(), computed.greedy_mask())
         assert kept.plain_greedy() == computed.plain_greedy(), [r.request_id for r in requests]
+        assert kept.untouched_logits() == computed.untouched_logits(), [r.request_id for r in requests]
     assert [sampling_batch(c).plain_greedy() for c in cases] == [True, True, False, False, False, True, False]

@@ -14,6 +14,8 @@ from fastdeploy import ops
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, block_table_array
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.model_config import ModelConfig
+from fastdeploy.ops.sampling import Sampler, param_table
+from fastdeploy.ops.sampling_reference import SamplingBatch
 from fastdeploy.worker.compiled_step import CompiledDecoder, unsupported_reason
 from fastdeploy.worker.model_runner import run_step
 from fastdeploy.worker.step_types import ForwardBatch
@@ -87,7 +89,7 @@ def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> Non
 
 @pytest.mark.parametrize("quantization", [None, "wint4"])
 def test_greedy_tokens_inside_the_step_are_the_argmax_of_its_logits(quantization: str | None) -> None:
-    """forward_greedy (the runner's path for all-greedy steps) gives numpy's argmax of the logits forward
+    """forward_tokens (the runner's path for all-greedy steps) gives numpy's argmax of the logits forward
     returns for the same batch (run twice: the second writes the same K/V to the same slots)."""
     model = load_model(ModelConfig.from_pretrained(MODELS / "ernie45_moe_tiny_hf"), quantization=quantization)
     cfg = model.config
@@ -96,12 +98,37 @@ def test_greedy_tokens_inside_the_step_are_the_argmax_of_its_logits(quantization
     checked = 0
     for batch in schedule(cfg.vocab_size, seed=3):
         logits = compiled.forward(batch)
-        tokens = compiled.forward_greedy(batch)
+        tokens = compiled.forward_tokens(batch)
         if logits is None:
             assert tokens == []
             continue
         np.testing.assert_array_equal(tokens, np.argmax(logits.numpy(), axis=1))
         checked += len(tokens)
+    assert checked > 0
+
+
+def test_sampled_tokens_inside_the_step_are_the_sampling_ops() -> None:
+    """forward_tokens with a parameter table (the runner's path for rows nothing bans or penalises) draws
+    what the sampling op draws from the logits forward returns: temperature, top-k, top-p, min-p and greedy
+    rows mixed, each with its own uniform."""
+    model = load_model(ModelConfig.from_pretrained(MODELS / "ernie45_moe_tiny_hf"))
+    cfg = model.config
+    kv = allocate_kv_caches(cfg.num_hidden_layers, 12, BLOCK, cfg.num_key_value_heads, cfg.head_dim, "bfloat16")
+    compiled = CompiledDecoder.build(model, kv, BLOCK, MAX_LEN)
+    rng = np.random.default_rng(4)
+    sampler, checked = Sampler(), 0
+    for batch in schedule(cfg.vocab_size, seed=5):
+        rows = len(batch.logit_rows)
+        if not rows:
+            continue
+        policy = SamplingBatch.from_lists(
+            rows, temperature=rng.choice([0.0, 0.6, 1.0, 1.7], rows).tolist(), top_k=rng.choice([0, 3, 40], rows).tolist(),
+            top_p=rng.choice([1.0, 0.8], rows).tolist(), min_p=rng.choice([0.0, 0.1], rows).tolist(),
+            uniforms=rng.random(rows).tolist())
+        logits = compiled.forward(batch)
+        tokens = compiled.forward_tokens(batch, param_table(policy))
+        assert tokens == sampler(logits, policy).tolist()
+        checked += rows
     assert checked > 0
 
 

@@ -54,7 +54,7 @@ _POLICY_COLUMNS = (("temperature", np.float32), ("top_p", np.float32), ("top_k",
 
 def sampling_batch(requests: list[Request]) -> SamplingBatch:
     """The sampling rows of `requests`, with which rows are greedy and, where that is known here, whether
-    the step is plain greedy. Each sampled (non-greedy) row draws its uniform from the request's own
+    their logits are untouched (nothing banned or penalised) and the step plain greedy. Each sampled (non-greedy) row draws its uniform from the request's own
     generator, so a seeded request's tokens never depend on the batch."""
     columns = {name: np.array([getattr(r.params, name) for r in requests], dtype=dtype)
                for name, dtype in _POLICY_COLUMNS}
@@ -64,14 +64,14 @@ def sampling_batch(requests: list[Request]) -> SamplingBatch:
     for i in sampled_rows:
         uniforms[i] = requests[i].generator.random()
     banned = [banned_tokens(r) for r in requests]
-    # Without penalties the answer is known here; with them it depends on each row's history.
+    # Without penalties the answers are known here; with them they depend on each row's history.
     penalized = any(r.params.repetition_penalty != 1 or r.params.frequency_penalty != 0
                     or r.params.presence_penalty != 0 for r in requests)
-    plain = None if penalized else not sampled_rows and not any(banned)
+    untouched = None if penalized else not any(banned)
     return SamplingBatch(
         **columns, prompt_token_ids=[r.prompt_token_ids for r in requests],
         output_token_ids=[r.output_token_ids for r in requests], banned_token_ids=banned, uniforms=uniforms,
-        greedy=greedy, plain=plain)
+        greedy=greedy, plain=None if penalized else untouched and not sampled_rows, untouched=untouched)
 
 
 def logprob_transforms(params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:

@@ -174,6 +174,13 @@ def _as_array(logits: paddle.Tensor | np.ndarray) -> np.ndarray:
     return x
 
 
+def param_table(batch: SamplingBatch) -> np.ndarray:
+    """The op's float64 parameter table [B, len(PARAM_COLUMNS)] of a batch."""
+    greedy = batch.greedy_mask()
+    return np.column_stack([greedy if name == "greedy" else getattr(batch, name) for name in PARAM_COLUMNS]
+                           ).astype(np.float64, copy=False)
+
+
 class Sampler:
     """Samples a SamplingBatch from logits: the compiled op when built (and `use_compiled`), else the
     numpy sampler. The batch's values are trusted: SamplingParams validated them."""
@@ -200,11 +207,11 @@ class Sampler:
         lib = compiled(self.use_compiled)
         if lib is None:
             return sample_numpy(view, batch, greedy, batch.uniforms, self._scratch, thresholds)
-        table = np.column_stack([greedy if name == "greedy" else getattr(batch, name) for name in PARAM_COLUMNS])
+        table = param_table(batch)
         ids, offsets = pack_token_ids(batch, view.shape[1])
         # A float32 paddle tensor goes to the op as it is: wrapping the numpy view again costs time.
         as_is = isinstance(logits, paddle.Tensor) and logits.dtype == paddle.float32
         if thresholds is None:
-            return _run(lib, logits if as_is else view, table.astype(np.float64), ids, offsets, False)
-        tokens, thresholds[:] = _run(lib, logits if as_is else view, table.astype(np.float64), ids, offsets, True)
+            return _run(lib, logits if as_is else view, table, ids, offsets, False)
+        tokens, thresholds[:] = _run(lib, logits if as_is else view, table, ids, offsets, True)
         return tokens

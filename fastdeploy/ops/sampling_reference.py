@@ -56,10 +56,11 @@ class SamplingBatch:
     output_token_ids: list[Sequence[int]]
     banned_token_ids: list[Sequence[int]]  # set to -inf this step (EOS/stop ids below min_tokens)
     uniforms: np.ndarray  # float64 [B] in [0, 1): where each sampled row inverts its CDF (greedy: unread)
-    # What greedy_mask() and plain_greedy() answer, when the caller already knows (the scheduler keeps
-    # them per decode batch); None: computed from the arrays.
+    # What greedy_mask(), plain_greedy() and untouched_logits() answer, when the caller already knows (the
+    # scheduler does as it builds the rows); None: computed from the arrays.
     greedy: np.ndarray | None = None
     plain: bool | None = None
+    untouched: bool | None = None
 
     def __len__(self) -> int:
         return len(self.temperature)
@@ -75,6 +76,8 @@ class SamplingBatch:
 
     def untouched_logits(self) -> bool:
         """No row bans a token or applies a penalty (each penalty is off or has no tokens to act on)."""
+        if self.untouched is not None:
+            return self.untouched
         if any(len(ids) for ids in self.banned_token_ids):
             return False
         outputs = np.array([len(ids) > 0 for ids in self.output_token_ids], dtype=bool)

@@ -66,7 +66,8 @@ class _Model(ctypes.Structure):
 class _Batch(ctypes.Structure):
     _fields_ = [("ids", _ptr), ("positions", _ptr), ("q_lens", _ptr), ("ctx_lens", _ptr),
                 ("blocks", _ptr), ("logit_rows", _ptr), ("logits", _ptr), ("T", _i64), ("B", _i64),
-                ("max_blocks", _i64), ("R", _i64), ("argmax", _ptr)]
+                ("max_blocks", _i64), ("R", _i64), ("argmax", _ptr), ("sample_params", _ptr),
+                ("sample_offsets", _ptr)]
 
 
 def _address(t: paddle.Tensor | None) -> int | None:
@@ -153,10 +154,11 @@ class CompiledDecoder:
             final_norm=_address(decoder.norm.weight), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
             max_positions=max_positions, cache_bf16=int(kv_caches[0].dtype == paddle.bfloat16))
         self.vocab = model.lm_head.packed.n
-        # forward_greedy's outputs: the logits (unread) and the tokens, as a view, and their addresses.
+        # forward_tokens' outputs: the logits (unread) and the tokens, as a view, and their addresses.
         self._scratch_logits = np.empty((0, self.vocab), dtype=np.float32)
         self._argmax = memoryview(b"")
-        self._scratch_addresses = (0, 0)
+        self._scratch_addresses = (0, 0, 0)
+        self._keep_scratch: tuple[np.ndarray, ...] = ()  # the arrays behind those addresses
         self._dll = ctypes.CDLL(str(lib.path))  # the library Paddle already loaded: same handle
         self._step = self._dll.fd_decoder_step
         self._step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch), _ptr]
@@ -209,10 +211,11 @@ class CompiledDecoder:
         self._run(inputs, logits.data_ptr() if rows else None, None)
         return logits if rows else None
 
-    def forward_greedy(self, inputs: ForwardBatch) -> list[int]:
-        """The forward pass and the greedy token of each logit row (the sampling op's argmax: first maximum,
-        first NaN), taken inside the same call while the logits are in cache; the logits themselves go to
-        a scratch buffer. For steps whose rows are all plain greedy."""
+    def forward_tokens(self, inputs: ForwardBatch, sample_params: np.ndarray | None = None) -> list[int]:
+        """The forward pass and each logit row's token, taken inside the same call while the logits are in
+        cache: the sampling op's greedy argmax (first maximum, first NaN) or, given `sample_params` (the op's
+        float64 parameter table, for rows nothing bans or penalises), its draw; -1 for a sampled row without
+        a finite largest logit. The logits themselves go to a scratch buffer."""
         rows = len(inputs.logit_rows)
         if not rows:
             self._run(inputs, None, None)
@@ -223,13 +226,22 @@ class CompiledDecoder:
             self._scratch_logits = np.empty((rows, self.vocab), dtype=np.float32)
             argmax = np.empty(rows, dtype=np.int64)
             self._argmax = memoryview(argmax).cast("B").cast(argmax.dtype.char)
-            self._scratch_addresses = (self._scratch_logits.ctypes.data, argmax.ctypes.data)
-        self._run(inputs, *self._scratch_addresses)
+            zero_offsets = np.zeros(3 * rows + 1, dtype=np.int64)  # no banned, prompt or output ids
+            self._scratch_addresses = (self._scratch_logits.ctypes.data, argmax.ctypes.data, zero_offsets.ctypes.data)
+            self._keep_scratch = (argmax, zero_offsets)
+        logits, tokens, offsets = self._scratch_addresses
+        if sample_params is None:
+            self._run(inputs, logits, tokens)
+        else:
+            params = np.ascontiguousarray(sample_params, dtype=np.float64)
+            self._run(inputs, logits, tokens, params.ctypes.data, offsets)
         return self._argmax[:rows].tolist()
 
-    def _run(self, inputs: ForwardBatch, logits: int | None, argmax: int | None) -> None:
+    def _run(self, inputs: ForwardBatch, logits: int | None, tokens: int | None, sample_params: int | None = None,
+             sample_offsets: int | None = None) -> None:
         batch = self._batch(inputs)
-        batch.logits, batch.argmax = logits, argmax
+        batch.logits, batch.argmax, batch.sample_params, batch.sample_offsets = logits, tokens, sample_params, \
+            sample_offsets
         rc = self._step(ctypes.byref(self._model), ctypes.byref(batch), self._workspace)
         if rc != 0:
             raise ValueError(f"fd_decoder_step rejected the batch (code {rc}): a token id, position, logit row, "

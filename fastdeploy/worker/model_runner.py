@@ -22,7 +22,7 @@ from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
-from fastdeploy.ops.sampling import Sampler
+from fastdeploy.ops.sampling import Sampler, param_table
 from fastdeploy.ops.sampling_reference import processed_logits
 from fastdeploy.ops.token_bitmask import apply_token_bitmask_, logits_view
 from fastdeploy.worker import messages
@@ -227,9 +227,9 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, wait_for_masks: Callable[[], object] | None = None) -> ModelRunnerOutput:
         """Forward and sample the step. `wait_for_masks`: returns once step.token_bitmask is filled (the engine
         computes the grammar masks while the forward runs)."""
-        greedy = self._compiled_greedy(step)
-        if greedy is not None:
-            return ModelRunnerOutput(with_forced_tokens(greedy, step))
+        tokens = self._compiled_tokens(step)
+        if tokens is not None:
+            return ModelRunnerOutput(with_forced_tokens(tokens, step))
         logits = self._forward(step.forward)
         num_samples = step.num_samples
         tokens: list[int] = []
@@ -270,16 +270,25 @@ class ModelRunner:
                 [top_logprobs(prompt[i], int(k), int(target))
                  for i, (k, target) in enumerate(zip(step.prompt_logprob_k, step.prompt_logprob_targets))])
 
-    def _compiled_greedy(self, step: SchedulerOutput) -> list[int] | None:
-        """The step's sampled tokens when the compiled step runs it, every row is plain greedy (what the
-        sampler would answer with a bare argmax) and nothing else needs the logits (logprobs, logit bias,
-        grammar), taken inside the forward call; None otherwise."""
+    def _compiled_tokens(self, step: SchedulerOutput) -> list[int] | None:
+        """The step's sampled tokens when the compiled step runs it and takes them inside the forward call
+        (while the logits are in cache): every row samples from its logits with its policy alone (nothing
+        banned or penalised) and nothing else needs the logits (logprobs, logit bias, grammar); None
+        otherwise."""
+        sampling = step.sampling
         if (self.compiled is None or not step.num_samples or len(step.forward.logit_rows) != step.num_samples
                 or len(step.guided_rows) or len(step.bias_rows) or len(step.logprob_rows)
-                or not step.sampling.plain_greedy()):
+                or not sampling.untouched_logits()):
             return None
         batch = self.compiled.covers(step.forward)
-        return None if batch is None else self.compiled.forward_greedy(batch)
+        if batch is None:
+            return None
+        if sampling.plain_greedy():
+            return self.compiled.forward_tokens(batch)
+        tokens = self.compiled.forward_tokens(batch, param_table(sampling))
+        if -1 in tokens:
+            raise ValueError(f"logits of row {tokens.index(-1)} are all -inf or hold NaN/inf")
+        return tokens
 
     def _forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
         compiled = self.compiled.covers(inputs) if self.compiled is not None else None
