@@ -277,10 +277,12 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
   kt.rms_norm(b.rows_y, b.rows_r, m.final_norm, b.rows_y, b.rows_r, s.R, H, m.eps);
   kt.linear(LinearArgs{b.rows_y, m.lm_head.w, m.lm_head.scales, s.logits, s.R, m.lm_head.K, m.lm_head.N,
                        m.lm_head.fmt});
-  // Plain greedy rows (no bans or penalties), taken while the logits are still in cache.
-  if (s.argmax != nullptr && s.sample_params == nullptr) kt.argmax(s.logits, s.R, m.lm_head.N, s.argmax);
-  if (s.argmax != nullptr && s.sample_params != nullptr) {
+  // The rows' tokens (nothing banned or penalised), taken while the logits are still in cache.
+  if (s.argmax != nullptr && s.sample_params == nullptr) {
+    kt.argmax(s.logits, s.R, m.lm_head.N, s.argmax);
+  } else if (s.argmax != nullptr) {
     float* tau = static_cast<float*>(scratch(7, s.R * sizeof(float)));  // unread: no logprobs here
+    // Every token list is empty (all offsets zero), so the ids pointer is never read.
     kt.sample(SampleArgs{s.logits, s.sample_offsets, s.sample_offsets, s.sample_params, s.argmax, tau, s.R,
                          m.lm_head.N});
   }

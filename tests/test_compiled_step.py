@@ -126,7 +126,7 @@ def test_sampled_tokens_inside_the_step_are_the_sampling_ops() -> None:
             top_p=rng.choice([1.0, 0.8], rows).tolist(), min_p=rng.choice([0.0, 0.1], rows).tolist(),
             uniforms=rng.random(rows).tolist())
         logits = compiled.forward(batch)
-        tokens = compiled.forward_tokens(batch, param_table(policy))
+        tokens = compiled.forward_tokens(batch, param_table(policy, policy.greedy_mask()))
         assert tokens == sampler(logits, policy).tolist()
         checked += rows
     assert checked > 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastdeploy.engine.request import Request
+from fastdeploy.model_executor.forward_context import block_table_array
 
 
 @dataclass(slots=True)
@@ -56,11 +57,7 @@ class BlockManager:
 
     def table_array(self, request_ids: Sequence[str]) -> np.ndarray:
         """int64 [requests, widest table]: the requests' block tables, zero-padded."""
-        tables = [self.block_table(r) for r in request_ids]
-        out = np.zeros((len(tables), max(max(map(len, tables), default=0), 1)), dtype=np.int64)
-        for row, table in zip(out, tables):
-            row[:len(table)] = table
-        return out
+        return block_table_array([self.block_table(r) for r in request_ids])
 
     def match_prefix(self, request: Request) -> list[int]:
         """Ids of cached blocks holding a prefix of the request's tokens. At least one token is

@@ -174,9 +174,8 @@ def _as_array(logits: paddle.Tensor | np.ndarray) -> np.ndarray:
     return x
 
 
-def param_table(batch: SamplingBatch) -> np.ndarray:
-    """The op's float64 parameter table [B, len(PARAM_COLUMNS)] of a batch."""
-    greedy = batch.greedy_mask()
+def param_table(batch: SamplingBatch, greedy: np.ndarray) -> np.ndarray:
+    """The op's float64 parameter table [B, len(PARAM_COLUMNS)] of a batch whose greedy rows are `greedy`."""
     return np.column_stack([greedy if name == "greedy" else getattr(batch, name) for name in PARAM_COLUMNS]
                            ).astype(np.float64, copy=False)
 
@@ -207,7 +206,7 @@ class Sampler:
         lib = compiled(self.use_compiled)
         if lib is None:
             return sample_numpy(view, batch, greedy, batch.uniforms, self._scratch, thresholds)
-        table = param_table(batch)
+        table = param_table(batch, greedy)
         ids, offsets = pack_token_ids(batch, view.shape[1])
         # A float32 paddle tensor goes to the op as it is: wrapping the numpy view again costs time.
         as_is = isinstance(logits, paddle.Tensor) and logits.dtype == paddle.float32

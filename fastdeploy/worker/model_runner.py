@@ -285,7 +285,7 @@ class ModelRunner:
             return None
         if sampling.plain_greedy():
             return self.compiled.forward_tokens(batch)
-        tokens = self.compiled.forward_tokens(batch, param_table(sampling))
+        tokens = self.compiled.forward_tokens(batch, param_table(sampling, sampling.greedy_mask()))
         if -1 in tokens:
             raise ValueError(f"logits of row {tokens.index(-1)} are all -inf or hold NaN/inf")
         return tokens
