@@ -127,6 +127,7 @@ FD_INLINE VF vfrom_lanes(VF a) { return a; }
 FD_INLINE VI izero() { return {_mm512_setzero_si512()}; }
 FD_INLINE VI iset1(int32_t x) { return {_mm512_set1_epi32(x)}; }
 FD_INLINE VF itof(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
+FD_INLINE VI iabs(VI a) { return {_mm512_abs_epi32(a.v)}; }
 // Round to nearest even, saturating is not needed: callers keep |x| <= 127.
 FD_INLINE VI ftoi(VF a) { return {_mm512_cvtps_epi32(a.v)}; }
 FD_INLINE int32_t ireduce_add(VI a) { return _mm512_reduce_add_epi32(a.v); }
@@ -148,7 +149,8 @@ FD_INLINE VX xbcast(const int8_t* p) {
 FD_INLINE VI dot_u8s8(VI acc, VB w, VX x) { return {_mm512_dpbusd_epi32(acc.v, w.v, x.v)}; }
 // int8 weights are stored with +128: the dot then counts 128 * sum(x) too, which callers subtract.
 constexpr int kInt8Zero = 128;
-FD_INLINE VI dot_int8(VI acc, VB w, VX x) { return dot_u8s8(acc, w, x); }
+constexpr bool kInt8AbsRows = false;  // the AVX2 dot below also takes |x|, quantized once per row
+FD_INLINE VI dot_int8(VI acc, VB w, VX x, VX) { return dot_u8s8(acc, w, x); }
 // Partial sums of one 32-k activation block against int4 weights (nibbles 0..15): pstart(init), at
 // most kNibDots dot_nib calls, then pfinish gives init + the exact int32 dot products. VNNI
 // accumulates in int32 directly.
@@ -318,6 +320,7 @@ FD_INLINE VF vfrom_lanes(VF a) { return vunshuffle_bf16(a); }
 FD_INLINE VI izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 FD_INLINE VI iset1(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
 FD_INLINE VF itof(VI a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+FD_INLINE VI iabs(VI a) { return {_mm256_abs_epi32(a.lo), _mm256_abs_epi32(a.hi)}; }
 FD_INLINE VI ftoi(VF a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
 FD_INLINE int32_t ireduce_add(VI a) {
   __m256i s = _mm256_add_epi32(a.lo, a.hi);
@@ -364,10 +367,13 @@ FD_INLINE VI dot_u8s8(VI acc, VB w, VX x) {
 }
 // int8 weights (stored +128) would saturate maddubs: undo the offset and move the signs onto x
 // (|x| * sign(w, x)), which keeps every pair sum within int16. The result needs no correction.
+// |x| (ax) comes with the activations, stored by their quantization: one instruction less per row
+// and 4 k, where these kernels are bound by instructions.
 constexpr int kInt8Zero = 0;
-FD_INLINE VI dot_int8(VI acc, VB w, VX x) {
+constexpr bool kInt8AbsRows = true;
+FD_INLINE VI dot_int8(VI acc, VB w, VX x, VX absx) {
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-  __m256i ax = _mm256_abs_epi8(x.v);
+  const __m256i ax = absx.v;
   __m256i wl = _mm256_sign_epi8(_mm256_xor_si256(w.lo, flip), x.v);
   __m256i wh = _mm256_sign_epi8(_mm256_xor_si256(w.hi, flip), x.v);
   __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wl), ones);
