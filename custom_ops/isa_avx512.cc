@@ -26,7 +26,7 @@ namespace avx512 {
 constexpr int kGemvPanels = 8;
 constexpr int kGemvPrefetch = 0;  // int4 GEMV software prefetch: off (kern_linear.inc; 4 KB ahead measured 0.97-1.06x)
 constexpr int kDenseRows = 6, kDensePanels = 4;
-constexpr int kInt8Rows = 4, kInt8Panels = 3;
+constexpr int kInt8Rows = 4, kInt8Panels = 2;  // 3 panels measured 1.03-1.19x slower (kernel_ab)
 constexpr int kAttnRows = 8;  // query rows per attention register block
 constexpr int kAttnValueRows = 4;  // of those, rows per block of the weighted values (16 accumulators)
 constexpr int kAttnWidenBlocks = 8;  // widen bf16 K/V once per chunk from this many blocks (kern_attention.inc)
