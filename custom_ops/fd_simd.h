@@ -25,7 +25,6 @@ namespace FD_NS {
 
 struct VF { __m512 v; };   // 16 x float32
 struct VI { __m512i v; };  // 16 x int32
-struct VB { __m512i v; };  // 64 x uint8 (16 outputs x 4 consecutive k)
 
 FD_INLINE VF vzero() { return {_mm512_setzero_ps()}; }
 FD_INLINE VF vset1(float x) { return {_mm512_set1_ps(x)}; }
@@ -131,40 +130,11 @@ FD_INLINE VI iabs(VI a) { return {_mm512_abs_epi32(a.v)}; }
 // Round to nearest even, saturating is not needed: callers keep |x| <= 127.
 FD_INLINE VI ftoi(VF a) { return {_mm512_cvtps_epi32(a.v)}; }
 FD_INLINE int32_t ireduce_add(VI a) { return _mm512_reduce_add_epi32(a.v); }
-// Narrow 16 int32 in [-127, 127] to 16 int8.
-FD_INLINE void istore_i8(int8_t* p, VI a) { _mm_storeu_si128((__m128i*)p, _mm512_cvtsepi32_epi8(a.v)); }
-
-FD_INLINE VB bload(const uint8_t* p) { return {_mm512_loadu_si512((const void*)p)}; }
-FD_INLINE VB blow_nibbles(VB a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
-FD_INLINE VB bhigh_nibbles(VB a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
-
-// Broadcast of 4 signed activation bytes (k..k+3 of one row).
-struct VX { __m512i v; };
-FD_INLINE VX xbcast(const int8_t* p) {
-  int32_t w;
-  std::memcpy(&w, p, 4);
-  return {_mm512_set1_epi32(w)};
-}
-// acc[i] += sum_r w[4i + r] * x[r], w unsigned 0..255, x signed. No saturation (VNNI).
-FD_INLINE VI dot_u8s8(VI acc, VB w, VX x) { return {_mm512_dpbusd_epi32(acc.v, w.v, x.v)}; }
-// int8 weights are stored with +128: the dot then counts 128 * sum(x) too, which callers subtract.
-constexpr int kInt8Zero = 128;
-constexpr bool kInt8AbsRows = false;  // the AVX2 dot below also takes |x|, quantized once per row
-FD_INLINE VI dot_int8(VI acc, VB w, VX x, VX) { return dot_u8s8(acc, w, x); }
-// Partial sums of one 32-k activation block against int4 weights (nibbles 0..15): pstart(init), at
-// most kNibDots dot_nib calls, then pfinish gives init + the exact int32 dot products. VNNI
-// accumulates in int32 directly.
-constexpr int kNibDots = 8;
-struct VP { __m512i v; };
-FD_INLINE VP pstart(VI init) { return {init.v}; }
-FD_INLINE VP dot_nib(VP acc, VB w, VX x) { return {_mm512_dpbusd_epi32(acc.v, w.v, x.v)}; }
-FD_INLINE VI pfinish(VP acc, VI) { return {acc.v}; }
 
 #else  // AVX2 + FMA
 
 struct VF { __m256 lo, hi; };
 struct VI { __m256i lo, hi; };
-struct VB { __m256i lo, hi; };
 
 FD_INLINE VF vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 FD_INLINE VF vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
@@ -329,77 +299,6 @@ FD_INLINE int32_t ireduce_add(VI a) {
   m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xB1));
   return _mm_cvtsi128_si32(m);
 }
-FD_INLINE void istore_i8(int8_t* p, VI a) {
-  __m256i w = _mm256_packs_epi32(a.lo, a.hi);               // 16 x int16, lanes interleaved by 128 bits
-  w = _mm256_permute4x64_epi64(w, 0xD8);                     // back in order
-  __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-  _mm_storeu_si128((__m128i*)p, b);
-}
-
-FD_INLINE VB bload(const uint8_t* p) {
-  return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 32))};
-}
-FD_INLINE VB blow_nibbles(VB a) {
-  __m256i m = _mm256_set1_epi8(0x0F);
-  return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
-}
-FD_INLINE VB bhigh_nibbles(VB a) {
-  __m256i m = _mm256_set1_epi8(0x0F);
-  return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
-}
-
-struct VX { __m256i v; };
-FD_INLINE VX xbcast(const int8_t* p) {
-  int32_t w;
-  std::memcpy(&w, p, 4);
-  return {_mm256_set1_epi32(w)};
-}
-// An empty asm that makes an accumulator opaque: GCC then adds the products into it one after the
-// other, as written, instead of reassociating the integer sums into trees whose many partial
-// results spill to the stack (16 ymm registers). Values and bits are unchanged.
-FD_INLINE void keep_chain(__m256i& a, __m256i& b) { __asm__("" : "+x"(a), "+x"(b)); }
-// Only for weights <= 15 (int4): u8 x s8 pair sums then fit int16 without saturation.
-FD_INLINE VI dot_u8s8(VI acc, VB w, VX x) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, x.v), ones);
-  __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, x.v), ones);
-  return {_mm256_add_epi32(acc.lo, lo), _mm256_add_epi32(acc.hi, hi)};
-}
-// int8 weights (stored +128) would saturate maddubs: undo the offset and move the signs onto x
-// (|x| * sign(w, x)), which keeps every pair sum within int16. The result needs no correction.
-// |x| (ax) comes with the activations, stored by their quantization: one instruction less per row
-// and 4 k, where these kernels are bound by instructions.
-constexpr int kInt8Zero = 0;
-constexpr bool kInt8AbsRows = true;
-FD_INLINE VI dot_int8(VI acc, VB w, VX x, VX absx) {
-  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-  const __m256i ax = absx.v;
-  __m256i wl = _mm256_sign_epi8(_mm256_xor_si256(w.lo, flip), x.v);
-  __m256i wh = _mm256_sign_epi8(_mm256_xor_si256(w.hi, flip), x.v);
-  __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wl), ones);
-  __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wh), ones);
-  VI r{_mm256_add_epi32(acc.lo, lo), _mm256_add_epi32(acc.hi, hi)};
-  keep_chain(r.lo, r.hi);
-  return r;
-}
-// Partial sums of one 32-k activation block against int4 weights (nibbles 0..15), kept in int16 and
-// widened once in pfinish (one vpmaddwd per 32 k instead of one per 4 k). A vpmaddubsw lane is
-// u0 x0 + u1 x1 with u <= 15, |x| <= 128: |.| <= 3840, so kNibDots = 8 of them sum to at most 30720,
-// within int16 (no saturation, no wrap): the same exact integers as dot_u8s8, so the same bits.
-constexpr int kNibDots = 8;
-struct VP { __m256i lo, hi; };  // 16 x int16 each
-FD_INLINE VP pstart(VI) { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-FD_INLINE VP dot_nib(VP acc, VB w, VX x) {
-  VP r{_mm256_add_epi16(acc.lo, _mm256_maddubs_epi16(w.lo, x.v)),
-       _mm256_add_epi16(acc.hi, _mm256_maddubs_epi16(w.hi, x.v))};
-  keep_chain(r.lo, r.hi);
-  return r;
-}
-FD_INLINE VI pfinish(VP acc, VI init) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  return {_mm256_add_epi32(init.lo, _mm256_madd_epi16(acc.lo, ones)),
-          _mm256_add_epi32(init.hi, _mm256_madd_epi16(acc.hi, ones))};
-}
 
 #endif
 
@@ -422,3 +321,5 @@ FD_INLINE VF vexp(VF x) {
 
 }  // namespace FD_NS
 }  // namespace fd
+
+#include "fd_simd_quant.h"
