@@ -85,13 +85,12 @@ FD_INLINE VI dot_u8s8(VI acc, VB w, VX x) {
 // and 4 k, where these kernels are bound by instructions.
 constexpr int kInt8Zero = 0;
 constexpr bool kInt8AbsRows = true;
-FD_INLINE VI dot_int8(VI acc, VB w, VX x, VX absx) {
+FD_INLINE VI dot_int8(VI acc, VB w, VX x, VX ax) {
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-  const __m256i ax = absx.v;
   __m256i wl = _mm256_sign_epi8(_mm256_xor_si256(w.lo, flip), x.v);
   __m256i wh = _mm256_sign_epi8(_mm256_xor_si256(w.hi, flip), x.v);
-  __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wl), ones);
-  __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, wh), ones);
+  __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(ax.v, wl), ones);
+  __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(ax.v, wh), ones);
   VI r{_mm256_add_epi32(acc.lo, lo), _mm256_add_epi32(acc.hi, hi)};
   keep_chain(r.lo, r.hi);
   return r;
