@@ -54,8 +54,9 @@ _POLICY_COLUMNS = (("temperature", np.float32), ("top_p", np.float32), ("top_k",
 
 def sampling_batch(requests: list[Request]) -> SamplingBatch:
     """The sampling rows of `requests`, with which rows are greedy and, where that is known here, whether
-    their logits are untouched (nothing banned or penalised) and the step plain greedy. Each sampled (non-greedy) row draws its uniform from the request's own
-    generator, so a seeded request's tokens never depend on the batch."""
+    their logits are untouched (nothing banned or penalised) and the step plain greedy. Each sampled
+    (non-greedy) row draws its uniform from the request's own generator, so a seeded request's tokens
+    never depend on the batch."""
     columns = {name: np.array([getattr(r.params, name) for r in requests], dtype=dtype)
                for name, dtype in _POLICY_COLUMNS}
     greedy = greedy_rows(columns["temperature"], columns["top_p"], columns["top_k"])
