@@ -35,7 +35,7 @@ struct StepLayer {
   int64_t num_experts, expert_start, local_experts, top_k;
   float norm_min;
   int32_t renormalize;
-  void* kv_cache;  // [2, blocks, KVH, block_size, D], float32 or bf16 (StepModel::cache_bf16)
+  void* kv_cache;  // [2, blocks, KVH, block_size, row] as StepModel::cache_kind says (fd::CacheKind)
 };
 
 struct StepModel {
@@ -49,7 +49,7 @@ struct StepModel {
   const float* cos_table;  // [max_positions, D / 2]: row p is ops.rotary_cos_sin of position p
   const float* sin_table;
   int64_t max_positions;
-  int32_t cache_bf16;
+  int32_t cache_kind;
 };
 
 struct StepBatch {
@@ -177,7 +177,7 @@ void attention_block(const KernelTable& kt, const StepModel& m, const StepLayer&
   clock.mark(kRope);
   kt.attention(AttentionArgs{q, k, v, L.kv_cache, b.slots, b.q_start, s.ctx_lens, s.blocks, b.attn, T, s.B,
                              m.heads, m.kv_heads, D, m.cache_slots, s.max_blocks, m.block_size, W, W, m.attn_scale,
-                             true, m.cache_bf16 != 0});
+                             true, m.cache_kind});
   clock.mark(kAttention);
   linear(kt, b.attn, L.o, L.o_bias, b.y, T);
   clock.mark(kOut);

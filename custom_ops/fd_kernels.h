@@ -12,12 +12,16 @@ constexpr int kActBlock = 32;    // activations are quantized to int8 per row pe
 constexpr int kInt4Group = 128;  // int4 weight scales: one per 128 k per output column
 
 enum WeightFormat : int { kFp32 = 0, kBf16 = 1, kInt8 = 2, kInt4 = 3 };
+// The KV cache's rows: D float32, D bf16, or (block_wise_fp8) D float8 e4m3fn bytes then the row's float32
+// scale (its largest |value| / 448), so D + 4 bytes.
+enum CacheKind : int { kCacheF32 = 0, kCacheBf16 = 1, kCacheFp8 = 2 };
+constexpr int64_t kFp8ScaleBytes = 4;
 
 struct AttentionArgs {
   const float* q;          // token t's H heads x D at q + t * q_stride
   const float* k;          // token t's KVH heads x D at k + t * kv_stride
   const float* v;          // the same at v + t * kv_stride
-  void* cache;             // [2, S / block_size, KVH, block_size, D]: keys then values; float32 or bf16 bits
+  void* cache;             // [2, S / block_size, KVH, block_size, row]: keys then values; rows as cache_kind says
   const int64_t* slots;    // [T]: where each new token's K/V goes (negative: not written)
   const int64_t* q_start;  // [B + 1]: request b owns tokens q_start[b] .. q_start[b + 1] - 1
   const int64_t* ctx_lens; // [B]: tokens in context including the new ones
@@ -27,7 +31,7 @@ struct AttentionArgs {
   int64_t q_stride, kv_stride;  // floats from one token's q (k, v) to the next's: H * D (KVH * D) when packed
   float scale;
   bool causal = true;  // false: every query attends to its request's whole context (a ViT's patches)
-  bool cache_bf16 = false;
+  int cache_kind = kCacheF32;
 };
 
 struct LinearArgs {

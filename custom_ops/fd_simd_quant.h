@@ -1,12 +1,44 @@
 // The quantized linear kernels' vocabulary (kern_linear.inc): int8 / int4 weight bytes against int8
-// activations, as exact int32 dot products, for AVX-512 (VNNI) and for AVX2. Included at the end of
-// fd_simd.h, on its VF / VI.
+// activations, as exact int32 dot products, for AVX-512 (VNNI) and for AVX2; and the float8 (e4m3fn)
+// bytes of a block_wise_fp8 KV cache (kern_attention.inc). Included at the end of fd_simd.h, on its VF / VI.
 #pragma once
 
 namespace fd {
 namespace FD_NS {
 
+// float8 e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities, 0x7F / 0xFF NaN).
+// Its bits moved into a float16's (exponent field widened from 4 to 5 bits, biased 15) are the value / 256,
+// subnormals included, which F16C converts exactly: 16 codes -> 16 floats x s256 (s256 = scale * 256).
+FD_INLINE __m256i e4m3_as_f16(__m128i codes) {
+  const __m256i w = _mm256_cvtepu8_epi16(codes);
+  return _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(0x3F80)),
+                         _mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16((short)0x8000)));
+}
+// 8 floats -> their e4m3fn codes in int32 lanes, rounded to nearest even, |y| saturated at 448 (as
+// Paddle's cast to float8_e4m3fn): normal values by rounding the float32 mantissa to 3 bits and rebiasing
+// the exponent (127 -> 7), those below 2^-6 as multiples of 2^-9.
+FD_INLINE __m256i e4m3_codes8(__m256 y) {
+  const __m256 a = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), y), _mm256_set1_ps(448.0f));
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i half = _mm256_add_epi32(_mm256_set1_epi32(0x7FFFF),
+                                        _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1)));
+  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(u, half), 20), _mm256_set1_epi32(120 << 3));
+  const __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)));
+  const __m256i small = _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ));
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(y), 24), _mm256_set1_epi32(0x80));
+  return _mm256_or_si256(_mm256_blendv_epi8(normal, sub, small), sign);
+}
+
 #if defined(FD_AVX512)
+
+FD_INLINE VF vload_e4m3(const uint8_t* p, VF s256) {
+  return {_mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_f16(_mm_loadu_si128((const __m128i*)p))), s256.v)};
+}
+FD_INLINE void vstore_e4m3(uint8_t* p, VF y) {
+  const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(e4m3_codes8(_mm512_castps512_ps256(y.v))),
+                                           e4m3_codes8(_mm512_extractf32x8_ps(y.v, 1)), 1);
+  _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(codes));
+}
 
 struct VB { __m512i v; };  // 64 x uint8 (16 outputs x 4 consecutive k)
 
@@ -40,6 +72,17 @@ FD_INLINE VP dot_nib(VP acc, VB w, VX x) { return {_mm512_dpbusd_epi32(acc.v, w.
 FD_INLINE VI pfinish(VP acc, VI) { return {acc.v}; }
 
 #else  // AVX2 + FMA
+
+FD_INLINE VF vload_e4m3(const uint8_t* p, VF s256) {
+  const __m256i h = e4m3_as_f16(_mm_loadu_si128((const __m128i*)p));
+  return {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s256.lo),
+          _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s256.hi)};
+}
+FD_INLINE void vstore_e4m3(uint8_t* p, VF y) {
+  __m256i w = _mm256_packus_epi32(e4m3_codes8(y.lo), e4m3_codes8(y.hi));  // lanes interleaved by 128 bits
+  w = _mm256_permute4x64_epi64(w, 0xD8);
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+}
 
 struct VB { __m256i lo, hi; };
 

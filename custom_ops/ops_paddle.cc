@@ -15,8 +15,13 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   check_f32(q, "q");
   check_f32(k, "k");
   check_f32(v, "v");
-  const bool cache_bf16 = kv_cache.dtype() == paddle::DataType::BFLOAT16;
-  PD_CHECK(cache_bf16 || kv_cache.dtype() == paddle::DataType::FLOAT32, "kv_cache must be float32 or bfloat16");
+  const paddle::DataType cache_dtype = kv_cache.dtype();
+  PD_CHECK(cache_dtype == paddle::DataType::FLOAT32 || cache_dtype == paddle::DataType::BFLOAT16 ||
+               cache_dtype == paddle::DataType::UINT8,
+           "kv_cache must be float32, bfloat16 or uint8 (block_wise_fp8)");
+  const int cache_kind = cache_dtype == paddle::DataType::BFLOAT16 ? fd::kCacheBf16
+                         : cache_dtype == paddle::DataType::UINT8  ? fd::kCacheFp8
+                                                                   : fd::kCacheF32;
   const Shape qs = q.shape(), ks = k.shape(), cs = kv_cache.shape(), bs = block_tables.shape();
   PD_CHECK(qs.size() == 3, "q must be [T, H, D]");
   PD_CHECK(ks.size() == 3 && ks[0] == qs[0] && ks[2] == qs[2], "k must be [T, KVH, D] with q's T and D");
@@ -25,8 +30,9 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   PD_CHECK(KVH > 0 && H % KVH == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", KVH, ")");
   PD_CHECK(D % 16 == 0, "head_dim must be a multiple of 16, got ", D);
   PD_CHECK(block_size > 0, "block_size must be > 0, got ", block_size);
-  PD_CHECK(cs.size() == 5 && cs[0] == 2 && cs[2] == KVH && cs[3] == block_size && cs[4] == D,
-           "kv_cache must be [2, num_blocks, KVH, block_size, D]");
+  const int64_t row = cache_kind == fd::kCacheFp8 ? D + fd::kFp8ScaleBytes : D;
+  PD_CHECK(cs.size() == 5 && cs[0] == 2 && cs[2] == KVH && cs[3] == block_size && cs[4] == row,
+           "kv_cache must be [2, num_blocks, KVH, block_size, D] (D + 4 bytes per row when uint8)");
   PD_CHECK(bs.size() == 2, "block_tables must be [B, max_blocks]");
   const int64_t num_blocks = cs[1], S = num_blocks * block_size, B = bs[0], MB = bs[1];
   Index slots(slot_mapping, "slot_mapping"), qsl(query_start_loc, "query_start_loc");
@@ -47,7 +53,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   auto out = paddle::empty({T, H * D}, paddle::DataType::FLOAT32, q.place());
   fd::AttentionArgs a{q.data<float>(), k.data<float>(), v.data<float>(), kv_cache.data(), slots.p, qsl.p,
                       ctx.p, table.p, out.data<float>(), T, B, H, KVH, D, S, MB, block_size, H * D, KVH * D, scale,
-                      causal, cache_bf16};
+                      causal, cache_kind};
   if (T > 0) kernels().attention(a);
   return {out};
 }

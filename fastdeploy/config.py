@@ -9,11 +9,11 @@ from typing import Any
 from fastdeploy.distributed.parallel_state import check_tp_size
 from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.model_resolve import DEFAULT_REVISION, resolve_model
+from fastdeploy.model_executor.quantization import QuantConfig, parse_quantization
 from fastdeploy.not_implemented_args import refuse_not_implemented
 from fastdeploy.reasoning.parsers import known_parsers
 from fastdeploy.tool_parsers.parsers import known_tool_parsers
 
-QUANTIZATIONS = ("wint8", "wint4")
 # dtype spellings (vLLM's and PyTorch's) -> the precision of unquantized weights (layers/packed.py Precision)
 DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
           "float": "float32"}
@@ -111,7 +111,10 @@ class EngineConfig:
         "auto", "grammar engine for guided_decoding / response_format: auto or llguidance (guidance); off refuses them")
     guided_decoding_disable_any_whitespace: bool = param(
         False, "guided JSON output without optional whitespace between its tokens")
-    quantization: str | None = param(None, "weight-only quantization while loading: wint8 or wint4")
+    quantization: str | dict[str, Any] | None = param(
+        None, 'weight-only quantization while loading: wint8 or wint4; or JSON like {"quantization": "mix_quant", '
+              '"dense_quant_type": "wint8", "moe_quant_type": "wint4", "kv_cache_quant_type": "block_wise_fp8"}',
+        cli_type=str)
     dtype: str = param("auto", "unquantized weights: auto (as stored), bfloat16 (bf16 matmul inputs) or float32")
     seed: int = param(0, "engine-wide seed for unseeded requests")
     chat_template: str | None = param(None, "Jinja chat template (string or file path) overriding the tokenizer's")
@@ -126,6 +129,7 @@ class EngineConfig:
     lm_head_fp32: bool = param(False, "hold the embedding / LM head table in float32 and compute the logits in float32")
     load_choices: str = param("default_v1", "FastDeploy's weight loader: default or default_v1 (both load the same here)")
     model_config: ModelConfig = field(init=False, repr=False)
+    quant: QuantConfig = field(init=False)  # `quantization`, parsed
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -173,8 +177,7 @@ class EngineConfig:
         self._check_fastdeploy_switches()
         self._check_batched_tokens()
         self._check_multimodal()
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be None or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        self.quant = parse_quantization(self.quantization)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         self.dtype = DTYPES[self.dtype]
@@ -237,9 +240,11 @@ class EngineConfig:
 
     @property
     def kv_cache_dtype(self) -> str:
-        """The KV cache's element type: the model's compute precision (bfloat16 for a bf16 checkpoint or
-        dtype="bfloat16", float32 under dtype="float32" or for a float32 / float16 checkpoint), as
-        FastDeploy keeps the cache in the model's dtype."""
+        """The KV cache's format (fastdeploy/ops/kv_cache.py): kv_cache_quant_type when given, else the
+        model's compute precision (bfloat16 for a bf16 checkpoint or dtype="bfloat16", float32 under
+        dtype="float32" or for a float32 / float16 checkpoint), as FastDeploy keeps the cache in the model's dtype."""
+        if self.quant.kv_cache is not None:
+            return self.quant.kv_cache
         if self.dtype == "bfloat16" or (self.dtype == "auto" and self.model_config.dtype == "bfloat16"):
             return "bfloat16"
         return "float32"

@@ -64,7 +64,8 @@ def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> Non
     cfg = model.config
     assert unsupported_reason(model) is None
 
-    kv_dtype = "float32" if quantization is None else "bfloat16"  # both cache kinds over the grid
+    # every cache kind over the grid
+    kv_dtype = {None: "float32", "wint8": "bfloat16", "wint4": "block_wise_fp8"}[quantization]
 
     def caches() -> list[paddle.Tensor]:
         out = allocate_kv_caches(cfg.num_hidden_layers, 12, BLOCK, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)

@@ -16,6 +16,7 @@ import pytest
 
 from fastdeploy import ops
 from fastdeploy.ops import build
+from fastdeploy.ops.kv_cache import quantize_fp8_rows
 
 LIB = build.library()
 ISAS = [name for name in ("avx512_bf16", "avx512", "avx2") if LIB is not None and build.set_isa(name) == name]
@@ -74,8 +75,19 @@ def make_batch(rng, heads, kv_heads, head_dim, block_size, query_lens, context_l
         block_size=block_size, scale=head_dim ** -0.5)
 
 
+def make_cache(values: np.ndarray, cache_dtype: str) -> paddle.Tensor:
+    """values [2, blocks, KVH, block_size, D] as a cache of `cache_dtype` (block_wise_fp8: its rows quantized)."""
+    if cache_dtype == "block_wise_fp8":
+        return tensor(quantize_fp8_rows(values.reshape(-1, values.shape[-1])).reshape(*values.shape[:-1], -1))
+    return tensor(values).astype(cache_dtype)
+
+
+def cache_bits(cache: paddle.Tensor) -> np.ndarray:
+    return cache.numpy() if cache.dtype == paddle.uint8 else cache.astype("float32").numpy()
+
+
 def run_attention(batch, fn=ops.paged_attention, cache_dtype="float32"):
-    cache = tensor(batch["cache"]).astype(cache_dtype)
+    cache = make_cache(batch["cache"], cache_dtype)
     out = fn(tensor(batch["q"]), tensor(batch["k"]), tensor(batch["v"]), cache, *map(tensor, batch["meta"]),
              batch["block_size"], batch["scale"])
     return out, cache
@@ -97,10 +109,14 @@ ATTENTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+CACHE_DTYPES = ["float32", "bfloat16", "block_wise_fp8"]
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_paged_attention_matches_reference(isa, case, cache_dtype):
-    """A bf16 cache holds the new K/V rounded to nearest even, as Paddle's cast rounds them."""
+    """A bf16 cache holds the new K/V rounded to nearest even, as Paddle's cast rounds them; an fp8 one
+    each row scaled to 448 at most and cast to float8_e4m3fn as Paddle casts, then its scale."""
     rng = np.random.default_rng(len(case[4]) * 7 + case[2])
     batch = make_batch(rng, *case, index_dtype="int32" if case[3] == 16 else "int64")
     out, cache = run_attention(batch, cache_dtype=cache_dtype)
@@ -108,10 +124,32 @@ def test_paged_attention_matches_reference(isa, case, cache_dtype):
     assert out.shape == [sum(case[4]), case[0] * case[2]]
     assert_close(out, ref, 1e-5)
     # the same K/V written to the same slots, where FastDeploy's [2, blocks, KVH, block_size, D] puts them
-    np.testing.assert_array_equal(cache.astype("float32").numpy(), ref_cache.astype("float32").numpy())
-    written = np.stack([cache.astype("float32").numpy()[:, s // case[3], :, s % case[3]] for s in batch["meta"][0]], 1)
-    expected = tensor(np.stack([batch["k"], batch["v"]])).astype(cache_dtype).astype("float32").numpy()
+    np.testing.assert_array_equal(cache_bits(cache), cache_bits(ref_cache))
+    written = np.stack([cache_bits(cache)[:, s // case[3], :, s % case[3]] for s in batch["meta"][0]], 1)
+    expected = cache_bits(make_cache(np.stack([batch["k"], batch["v"]]), cache_dtype))
     np.testing.assert_array_equal(written, expected)
+
+
+def test_fp8_cache_rounds_every_value_as_paddle_casts(isa):
+    """Rows whose largest |value| is 448 are cast as they are: every float8 e4m3fn value, every midpoint
+    between neighbours (ties to even), values just above them, subnormals and what rounds to zero, both signs."""
+    codes = np.arange(0x7F, dtype=np.uint8)  # 0 .. 448 (0x7F is NaN)
+    values = tensor(codes).view("float8_e4m3fn").astype("float32").numpy()
+    mids = (values[:-1] + values[1:]) / 2
+    pool = np.concatenate([values, mids, mids + 1e-3 * np.diff(values), [1e-7, 2.0 ** -10]])
+    pool = np.concatenate([pool, -pool]).astype(np.float32)
+    rows = np.resize(pool, (-(-pool.size // 63), 63))
+    rows = np.concatenate([np.full((len(rows), 1), 448.0, np.float32), rows], axis=1)  # [n, 64]
+    n = len(rows)
+    k = rows.reshape(n, 1, 64)
+    batch = dict(q=np.ones((n, 1, 64), np.float32), k=k, v=k.copy(), cache=np.zeros((2, n, 1, 1, 64), np.float32),
+                 meta=[np.arange(n), np.arange(n + 1), np.ones(n, np.int64), np.arange(n).reshape(n, 1)],
+                 block_size=1, scale=0.125)
+    _, cache = run_attention(batch, cache_dtype="block_wise_fp8")
+    got = cache.numpy()[0].reshape(n, 68)
+    want = np.concatenate([tensor(rows).astype("float8_e4m3fn").view("uint8").numpy(),
+                           np.ones((n, 1), "<f4").view(np.uint8)], axis=1)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_paged_attention_skips_negative_slots():
@@ -143,7 +181,7 @@ def assert_batch_invariant(batch, run) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_long_contexts_do_not_depend_on_the_batch(cache_dtype, kv_heads):
     """Contexts of several spans: alone (a lone decode splits its kv heads between the threads, or with one
     kv head runs its spans as separate work items, folded afterwards), together (each item folds its spans
@@ -152,7 +190,7 @@ def test_long_contexts_do_not_depend_on_the_batch(cache_dtype, kv_heads):
     assert_batch_invariant(batch, functools.partial(run_attention, cache_dtype=cache_dtype))
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_paged_attention_output_does_not_depend_on_the_batch(isa, cache_dtype):
     """Each request alone, its prefill split into chunks, 1 or 2 threads: the same bits. The chunks of 25
     and 14 tokens run in wide register blocks, the last token alone (as a decode) in narrow ones."""
@@ -160,7 +198,7 @@ def test_paged_attention_output_does_not_depend_on_the_batch(isa, cache_dtype):
     batch = make_batch(rng, 16, 2, 128, 16, [1, 40, 1, 3], [77, 40, 16, 50])
     together = assert_batch_invariant(batch, functools.partial(run_attention, cache_dtype=cache_dtype))
     lo = int(batch["meta"][1][1])
-    cache = tensor(batch["cache"]).astype(cache_dtype)
+    cache = make_cache(batch["cache"], cache_dtype)
     outs = []
     for a, b in ((0, 25), (25, 39), (39, 40)):  # each chunk sees the earlier chunks' K/V in the cache
         outs.append(ops.paged_attention(*(tensor(batch[n][lo + a:lo + b]) for n in "qkv"), cache,

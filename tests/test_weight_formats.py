@@ -114,10 +114,13 @@ def teacher_forced(llm: LLM, seqs: list[list[int]], starts: list[int]) -> tuple[
     return tops, logprobs
 
 
-@pytest.mark.parametrize("quantization, min_agreement, max_dlogprob", [(None, 0.99, 0.005), ("wint8", 0.97, 0.015),
-                                                                        ("wint4", 0.93, 0.06)])
+@pytest.mark.parametrize("quantization, min_agreement, max_dlogprob", [
+    (None, 0.99, 0.005), ("wint8", 0.97, 0.015), ("wint4", 0.93, 0.06),
+    ({"kv_cache_quant_type": "block_wise_fp8"}, 0.99, 0.015)])
 def test_quantized_demo_model_keeps_greedy_choices(quantization, min_agreement, max_dlogprob):
-    """None: the stored bf16 weights with bf16 matmul inputs (dtype "auto"), against float32 compute."""
+    """None: the stored bf16 weights with bf16 matmul inputs (dtype "auto"), against float32 compute; the
+    last case those weights with an fp8 KV cache (the teacher-forced prompt reads its keys and values back
+    from the cache, quantized)."""
     prompts = ["The Python tutorial", "def main():", "import os\n", "A list is", "The sys module",
                "Exceptions are", "for i in range", "class Foo:"]
     base = LLM(model=str(DEMO), max_model_len=256, dtype="float32")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from fastdeploy.ops.kv_cache import allocate_cache
+
 
 @dataclass(slots=True)
 class ForwardContext:
@@ -51,10 +53,9 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int, dtype: str = "float32") -> list[paddle.Tensor]:
-    """One [2, num_blocks, kv heads, block_size, head_dim] cache per layer, `dtype` "float32" or "bfloat16"."""
-    shape = [2, num_blocks, num_kv_heads, block_size, head_dim]
-    # Left uninitialised: attention reads only slots written earlier, and untouched pages cost no RAM.
-    return [paddle.empty(shape, dtype=dtype) for _ in range(num_layers)]
+    """One [2, num_blocks, kv heads, block_size, row] cache per layer, `dtype` "float32", "bfloat16" or
+    "block_wise_fp8" (fastdeploy/ops/kv_cache.py)."""
+    return [allocate_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype) for _ in range(num_layers)]
 
 
 def block_table_array(tables: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:

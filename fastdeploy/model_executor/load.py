@@ -35,6 +35,7 @@ from fastdeploy.model_executor.checkpoint import (  # noqa: F401 - re-exported
 from fastdeploy.model_executor.layers.packed import Precision, WeightSlot, named_slots, packed_parameters
 from fastdeploy.model_executor.memory_plan import check_fits
 from fastdeploy.model_executor.models.registry import get_model_class
+from fastdeploy.model_executor.quantization import QuantConfig, parse_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -232,11 +233,12 @@ def _missing(model: nn.Layer, params: dict[str, Any], filled: dict[str, dict[str
     return missing
 
 
-def load_model(config: ModelConfig, tp: TPGroup = SINGLE, quantization: str | None = None,
+def load_model(config: ModelConfig, tp: TPGroup = SINGLE, quantization: QuantConfig | str | None = None,
                available_bytes: int | None = None, dtype: str = "auto", lm_head_fp32: bool = False) -> nn.Layer:
     """Build the model for `config.architectures` (this rank's shard of it when `tp` has several
-    ranks) with its weights packed as `quantization` (None, "wint8", "wint4"), `dtype` and `lm_head_fp32`
-    say (layers/packed.py's Precision; validated by EngineConfig), fill it from the checkpoint, and put it
+    ranks) with its weights packed as `quantization` (None, "wint8", "wint4" or a QuantConfig's weight
+    formats), `dtype` and `lm_head_fp32` say (layers/packed.py's Precision; validated by EngineConfig),
+    fill it from the checkpoint, and put it
     in eval mode. Raises ValueError before anything large is allocated when the weights would not fit in
     `available_bytes` (default: the host's available memory)."""
     model_class = get_model_class(config.architectures)
@@ -246,7 +248,8 @@ def load_model(config: ModelConfig, tp: TPGroup = SINGLE, quantization: str | No
     # U16 holds raw 16-bit floats: which kind is only written in the config.
     u16 = "float16" if config.dtype == "float16" else "bfloat16"
     with Checkpoint(config.model_path, u16_dtype=u16) as checkpoint:
-        precision = Precision(quantization, dtype, lm_head_fp32)
+        quant = quantization if isinstance(quantization, QuantConfig) else parse_quantization(quantization)
+        precision = Precision(quant.dense, dtype, lm_head_fp32, quant.moe)
         layout = load_weights(model, checkpoint, precision, available_bytes, tp.size, progress=tp.rank == 0)
     model.eval()
     logger.info("loaded %s (%s layout, %d tensors) from %s in %.2f s", model_class.__name__, layout,

@@ -59,16 +59,16 @@ def check_fits(weights: Sequence[PackedParameter], precision: Precision, tp_size
     raises ValueError when they and a runtime reserve exceed `available_bytes` (default: the host's
     available memory), naming the quantizations that would fit."""
     available = available_memory_bytes() if available_bytes is None else available_bytes
-    options = {q: replace(precision, quantization=q) for q in QUANTIZATION_CHOICES}
+    options = {q: replace(precision, quantization=q, moe_quantization=None) for q in QUANTIZATION_CHOICES}
     need = {q: weights_bytes(weights, p) * tp_size for q, p in options.items()}
-    mine = precision.quantization
-    if need[mine] + RUNTIME_BYTES <= available:
-        logger.info("packed weights will take %.2f GiB (%s); %.1f GiB available", need[mine] / GIB,
+    mine = weights_bytes(weights, precision) * tp_size
+    if mine + RUNTIME_BYTES <= available:
+        logger.info("packed weights will take %.2f GiB (%s); %.1f GiB available", mine / GIB,
                     _describe(precision, weights), available / GIB)
-        return need[mine]
+        return mine
     fits = [f"{_describe(options[q], weights)} needs ~{need[q] / GIB:.1f} GiB" for q in QUANTIZATION_CHOICES
-            if q != mine and need[q] + RUNTIME_BYTES <= available and need[q] < need[mine]]
+            if options[q] != precision and need[q] + RUNTIME_BYTES <= available and need[q] < mine]
     advice = "; ".join(fits) if fits else "no supported quantization fits either"
-    raise ValueError(f"the model's weights need ~{need[mine] / GIB:.1f} GiB with "
+    raise ValueError(f"the model's weights need ~{mine / GIB:.1f} GiB with "
                      f"{_describe(precision, weights)}, plus ~{RUNTIME_BYTES / GIB:.0f} GiB to run, and "
                      f"{available / GIB:.1f} GiB is available; {advice}")

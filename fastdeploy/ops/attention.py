@@ -8,7 +8,8 @@ whose keys are kv_cache[0, slot // block_size, :, slot % block_size] (values: kv
 The new K/V are first written at slot_mapping (negative slots are skipped), then every query attends
 causally to its request's context. GQA: query head h reads kv head h // (H / KVH). A bf16 cache holds
 K/V rounded to bf16, and the scores take the queries, scaled, rounded to bf16 too (as a bf16 dot product
-does; on CPUs with AVX512_BF16 the kernel uses one).
+does; on CPUs with AVX512_BF16 the kernel uses one). A uint8 cache holds block_wise_fp8 rows
+(fastdeploy/ops/kv_cache.py), read back as float32.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import paddle
 import paddle.nn.functional as F
 
 from fastdeploy.ops.build import call_op, compiled
+from fastdeploy.ops.kv_cache import dequantize_fp8_rows, quantize_fp8_rows
 
 logger = logging.getLogger(__name__)
 _warned_head_dims: set[int] = set()
@@ -31,6 +33,7 @@ def paged_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tens
     """Pure Paddle, one request at a time. Same contract as `paged_attention`."""
     t, h, d = q.shape
     kvh = k.shape[1]
+    fp8 = kv_cache.dtype == paddle.uint8
 
     def head_rows(slots: np.ndarray) -> paddle.Tensor:
         """Rows of kv_cache[i] viewed as [num_blocks * kvh * block_size, d] holding each slot's kv heads."""
@@ -43,7 +46,10 @@ def paged_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tens
         rows = paddle.to_tensor(keep)
         new_k, new_v = (paddle.gather(x, rows).reshape([-1, d]) for x in (k, v))
         cache = kv_cache
-        if kv_cache.dtype == paddle.bfloat16:
+        if fp8:  # quantized rows, scattered as int32 words (head_dim + 4 is a multiple of 4)
+            new_k, new_v = (paddle.to_tensor(quantize_fp8_rows(x.numpy()).view(np.int32)) for x in (new_k, new_v))
+            cache = kv_cache.view("int32")
+        elif kv_cache.dtype == paddle.bfloat16:
             # Rounded to nearest even (Paddle's cast), as the kernel stores them; scattered as int32 pairs of
             # bf16 (Paddle's CPU scatter has no 16-bit kernel; head_dim is even).
             new_k, new_v = (x.astype("bfloat16").view("int32") for x in (new_k, new_v))
@@ -52,7 +58,14 @@ def paged_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tens
         index = head_rows(slots[keep])
         cache[0].scatter_(index, new_k, overwrite=True)
         cache[1].scatter_(index, new_v, overwrite=True)
-    flat = kv_cache.view([2, -1, d])
+    flat = kv_cache.view("int32").view([2, -1, kv_cache.shape[-1] // 4]) if fp8 else kv_cache.view([2, -1, d])
+
+    def context_rows(i: int, index: paddle.Tensor) -> paddle.Tensor:
+        rows = paddle.gather(flat[i], index)
+        if fp8:
+            return paddle.to_tensor(dequantize_fp8_rows(rows.numpy().view(np.uint8)))
+        return rows.astype("float32")
+
     starts = query_start_loc.numpy().astype(np.int64)
     ctx_lens = context_lens.numpy().astype(np.int64)
     tables = block_tables.numpy().astype(np.int64)
@@ -63,8 +76,8 @@ def paged_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tens
             continue
         pos = np.arange(c)
         index = head_rows(tables[b, pos // block_size] * block_size + pos % block_size)
-        keys, values = (paddle.repeat_interleave(paddle.gather(flat[i], index).astype("float32").reshape([c, kvh, d]),
-                                                 h // kvh, axis=1) for i in (0, 1))  # [c, H, D]
+        keys, values = (paddle.repeat_interleave(context_rows(i, index).reshape([c, kvh, d]), h // kvh, axis=1)
+                        for i in (0, 1))  # [c, H, D]
         queries = q[int(starts[b]):int(starts[b + 1])].transpose([1, 0, 2])  # [H, n, D]
         if kv_cache.dtype == paddle.bfloat16:  # scaled queries rounded to the keys' precision
             scores = paddle.matmul((queries * scale).astype("bfloat16").astype("float32"), keys.transpose([1, 2, 0]))
@@ -85,7 +98,7 @@ def paged_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, kv_cac
                     block_tables: paddle.Tensor, block_size: int, scale: float, *,
                     use_compiled: bool = True) -> paddle.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (float32), kv_cache [2, num_blocks, KVH, block_size, D] (float32 or
-    bfloat16: new keys and values are stored rounded to nearest even);
+    bfloat16: new keys and values are stored rounded to nearest even) or [..., D + 4] uint8 (block_wise_fp8);
     slot_mapping [T], query_start_loc [B + 1], context_lens [B], block_tables [B, max_blocks] (int32 or
     int64). Writes k/v into kv_cache in place and returns the attention output [T, H * D]."""
     lib = compiled(use_compiled)

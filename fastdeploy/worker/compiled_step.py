@@ -24,6 +24,7 @@ from paddle import nn
 
 from fastdeploy import ops
 from fastdeploy.ops.build import OpsLibrary
+from fastdeploy.ops.kv_cache import cache_kind
 from fastdeploy.model_executor.forward_context import block_table_array
 from fastdeploy.model_executor.layers.linear import GatedMLP
 from fastdeploy.model_executor.layers.moe import SparseMoE
@@ -60,7 +61,7 @@ class _Model(ctypes.Structure):
                 ("kv_heads", _i64), ("head_dim", _i64), ("max_ffn", _i64), ("max_top_k", _i64), ("cache_slots", _i64),
                 ("block_size", _i64), ("eps", _f32), ("attn_scale", _f32), ("interleaved", _i32),
                 ("embedding", _Weight), ("lm_head", _Weight), ("final_norm", _ptr), ("cos_table", _ptr),
-                ("sin_table", _ptr), ("max_positions", _i64), ("cache_bf16", _i32)]
+                ("sin_table", _ptr), ("max_positions", _i64), ("cache_kind", _i32)]
 
 
 class _Batch(ctypes.Structure):
@@ -152,7 +153,7 @@ class CompiledDecoder:
             attn_scale=attn.attn.scale, interleaved=decoder.rotary.interleaved,
             embedding=_weight(decoder.embed_tokens.weight.value), lm_head=_weight(model.lm_head.packed),
             final_norm=_address(decoder.norm.weight), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
-            max_positions=max_positions, cache_bf16=int(kv_caches[0].dtype == paddle.bfloat16))
+            max_positions=max_positions, cache_kind=cache_kind(kv_caches[0]))
         self.vocab = model.lm_head.packed.n
         # forward_tokens' outputs: the logits (unread) and the tokens, as a view, and their addresses.
         self._scratch_logits = np.empty((0, self.vocab), dtype=np.float32)

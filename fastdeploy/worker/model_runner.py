@@ -22,6 +22,7 @@ from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
+from fastdeploy.ops.kv_cache import row_bytes
 from fastdeploy.ops.sampling import Sampler, param_table
 from fastdeploy.ops.sampling_reference import processed_logits
 from fastdeploy.ops.token_bitmask import apply_token_bitmask_, logits_view
@@ -153,7 +154,7 @@ class ModelRunner:
             # Stops the workers when this runner is garbage-collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
-            self.model = load_model(mc, self.tp, config.quantization, dtype=config.dtype,
+            self.model = load_model(mc, self.tp, config.quant, dtype=config.dtype,
                                     lm_head_fp32=config.lm_head_fp32)
             ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
             self._ask_workers()  # loaded
@@ -196,8 +197,8 @@ class ModelRunner:
         """Bytes of one KV block over all ranks (they share this host's memory)."""
         mc = self.config.model_config
         heads = kv_heads_per_rank(mc.num_key_value_heads, self.tp.size) * self.tp.size
-        element = 2 if self.config.kv_cache_dtype == "bfloat16" else 4
-        return 2 * mc.num_hidden_layers * self.config.block_size * heads * mc.head_dim * element
+        return 2 * mc.num_hidden_layers * self.config.block_size * heads * row_bytes(mc.head_dim,
+                                                                                     self.config.kv_cache_dtype)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

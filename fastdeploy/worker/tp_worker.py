@@ -62,7 +62,7 @@ class Worker:
         store = create_store(self.rank, self.world_size, channel.HOST, store_port)
         tp: TPGroup = create_group(self.rank, self.world_size, store, group_id)
         ops.share_cores(self.world_size)
-        self.model = load_model(config.model_config, tp, config.quantization, dtype=config.dtype,
+        self.model = load_model(config.model_config, tp, config.quant, dtype=config.dtype,
                                 lm_head_fp32=config.lm_head_fp32)
         ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
         self.block_size = config.block_size

@@ -11,7 +11,8 @@ Formats (`Precision.format_for`): without quantization a weight keeps its checkp
 dtype "auto" (bf16 when every tensor that fills it is stored bf16, which packs exactly; fp32 otherwise),
 or is held as dtype "bfloat16" / "float32" says. bf16 weights are multiplied with bf16-rounded
 activations, fp32 ones in float32 (fastdeploy/ops/linear.py). `quantization="wint8"` packs linear
-layers as int8 per output channel, `"wint4"` as int4 per 128 inputs; the embedding / LM head table is
+layers as int8 per output channel, `"wint4"` as int4 per 128 inputs (`moe_quantization`, mix_quant's
+moe_quant_type, overrides it for the routed experts' stacked weights); the embedding / LM head table is
 int8 under both (its logits decide every token, and llama.cpp keeps it above 4 bits for the same
 reason) unless `lm_head_fp32`; MoE routers are always float32, so routing is computed in float32.
 """
@@ -34,15 +35,19 @@ ROLES = ("linear", "router", "table")  # table: the embedding / LM head matrix
 @dataclass(frozen=True, slots=True)
 class Precision:
     """How the packed weights are held: `quantization` (None, "wint8", "wint4") for the linear layers,
-    `dtype` for the unquantized ones, the embedding / LM head table in float32 when `lm_head_fp32`."""
+    `moe_quantization` for the routed experts when it differs (None: as `quantization`), `dtype` for the
+    unquantized ones, the embedding / LM head table in float32 when `lm_head_fp32`."""
 
     quantization: str | None = None
     dtype: str = "auto"
     lm_head_fp32: bool = False
+    moe_quantization: str | None = None
 
     def format_for(self, weight: PackedParameter) -> str:
         if weight.role == "router" or (weight.role == "table" and self.lm_head_fp32):
             return "fp32"
+        if weight.experts and self.moe_quantization is not None:
+            return QUANTIZED_FORMATS[self.moe_quantization]
         if self.quantization is not None:
             return "int8" if weight.role == "table" else QUANTIZED_FORMATS[self.quantization]
         if self.dtype == "auto":
@@ -51,6 +56,8 @@ class Precision:
 
     def describe(self) -> str:
         parts = [f"quantization={self.quantization!r}" if self.quantization else "no quantization"]
+        if self.moe_quantization is not None:
+            parts.append(f"experts {self.moe_quantization!r}")
         if self.dtype != "auto":
             parts.append(f"dtype={self.dtype!r}")
         if self.lm_head_fp32:
