@@ -7,7 +7,8 @@
 
 The checkpoint (hidden 1024, 18 layers, 16 q heads x 128, 2 kv heads, ffn 3072, vocab 103424, tied
 embeddings; bf16 safetensors, ~0.7 GB) is written to benchmarks/.cache/ on first use. Formats: "bf16"
-(the checkpoint's bf16 weights as stored, bf16 matmul inputs), "wint8", "wint4" (LLM(quantization=...)).
+(the checkpoint's bf16 weights as stored, bf16 matmul inputs), "wint8", "wint4" (LLM(quantization=...));
+--kv-cache block_wise_fp8 adds kv_cache_quant_type to each (the format's label gets "+fp8kv").
 Workloads are greedy with fixed lengths (no EOS): output tokens / total wall time, prefill included;
 TTFT is the mean time from arrival to first token. Each format (and transformers) runs in its own
 process, so the peak memory printed is that run's. --compare-hf runs transformers (torch, fp32) on
@@ -36,7 +37,9 @@ CKPT = ROOT / "benchmarks" / ".cache" / "ernie45-0.3b-random"
 SHAPE = Shape(vocab=103424, hidden=1024, layers=18, heads=16, kv_heads=2, head_dim=128, ffn=3072)
 # name: (number of prompts, prompt tokens, output tokens)
 WORKLOADS = {"decode": (1, 128, 128), "W4": (4, 128, 128), "W16": (16, 128, 128), "W64": (64, 128, 128),
-             "prefill": (8, 512, 1)}
+             "prefill": (8, 512, 1), "long16": (16, 1920, 128)}
+DEFAULT_WORKLOADS = "decode,W4,W16,W64,prefill"  # long16 (decode over long contexts: KV-bound) on request
+KV_CACHES = ("auto", "block_wise_fp8")
 FORMATS = {"bf16": None, "wint8": "wint8", "wint4": "wint4"}
 HF = "transformers fp32"
 
@@ -62,10 +65,13 @@ def make_prompts(count: int, length: int) -> list[list[int]]:
     return rng.integers(3, SHAPE.vocab, size=(count, length)).tolist()
 
 
-def run_ours(fmt: str, workloads: list[str]) -> dict[str, dict[str, float]]:
+def run_ours(fmt: str, workloads: list[str], kv_cache: str) -> dict[str, dict[str, float]]:
     from fastdeploy import LLM, SamplingParams
 
-    llm = LLM(model=str(CKPT), quantization=FORMATS[fmt], max_model_len=1024, max_num_seqs=64,
+    quantization = FORMATS[fmt]
+    if kv_cache != "auto":
+        quantization = {"kv_cache_quant_type": kv_cache} | ({"quantization": quantization} if quantization else {})
+    llm = LLM(model=str(CKPT), quantization=quantization, max_model_len=2048, max_num_seqs=64,
               max_num_batched_tokens=4096, enable_chunked_prefill=True, enable_prefix_caching=False)
     llm.generate(make_prompts(2, 16), SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
                  use_tqdm=False)  # warm-up
@@ -170,7 +176,8 @@ def print_table(table: dict[str, dict[str, dict[str, float]]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {list(WORKLOADS)}")
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help=f"comma list of {list(WORKLOADS)}")
+    parser.add_argument("--kv-cache", choices=KV_CACHES, default="auto", help="the KV cache's format")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {list(FORMATS)}")
     parser.add_argument("--compare-hf", action="store_true", help="also run transformers on the same workloads")
     parser.add_argument("--hf-python", default=sys.executable, help="interpreter with torch + transformers")
@@ -187,15 +194,18 @@ def main() -> None:
         parser.error(f"unknown workloads/formats {unknown}")
     if args.child:
         logging.getLogger("fastdeploy").setLevel(logging.WARNING)
-        results = run_ours(args.child, workloads)
+        results = run_ours(args.child, workloads, args.kv_cache)
         print(json.dumps({**results, "peak_rss_gib": peak_rss_gib()}))
         return
     build_checkpoint()
 
     table = {}
     for fmt in formats:
-        table[fmt] = run_isolated([sys.executable, __file__, "--child", fmt, "--workloads", args.workloads])
-        print(f"{fmt}: " + ", ".join(f"{n} {table[fmt][n]['output_tok_s']:.1f} tok/s" for n in workloads), flush=True)
+        label = fmt + ("+fp8kv" if args.kv_cache == "block_wise_fp8" else "")
+        table[label] = run_isolated([sys.executable, __file__, "--child", fmt, "--workloads", args.workloads,
+                                     "--kv-cache", args.kv_cache])
+        print(f"{label}: " + ", ".join(f"{n} {table[label][n]['output_tok_s']:.1f} tok/s" for n in workloads),
+              flush=True)
     if args.compare_hf:
         chosen = {name: WORKLOADS[name] for name in (args.hf_workloads or args.workloads).split(",")}
         table[HF] = run_isolated([args.hf_python, "-c", HF_SCRIPT, str(CKPT), json.dumps(chosen)])

@@ -33,6 +33,7 @@ constexpr int kAttnValueRows = 4;  // of those, rows per block of the weighted v
 constexpr int kAttnWidenBlocks = 3;  // widen bf16 K/V once per chunk from this many blocks (kern_attention.inc)
 constexpr int kAttnRowsWide = 4;  // query rows per block in items of kAttnWidenBlocks blocks (prefill)
 constexpr int kInt4Rows = 2, kInt4Panels = 1;
+constexpr int kWidenRows = 48;  // bf16 GEMMs of this many rows widen each panel once per work item (32: 1.05x the time)
 
 #include "kern_elementwise.inc"
 #include "kern_attention.inc"

@@ -32,6 +32,7 @@ constexpr int kAttnValueRows = 4;  // of those, rows per block of the weighted v
 constexpr int kAttnWidenBlocks = 8;  // widen bf16 K/V once per chunk from this many blocks (kern_attention.inc)
 constexpr int kAttnRowsWide = 4;  // in wide items (prefill) too: 8 measured slower
 constexpr int kInt4Rows = 4, kInt4Panels = 2;
+constexpr int kWidenRows = 0;  // bf16 without the dot instruction: always widened in the kernel (not measured)
 
 #include "kern_elementwise.inc"
 #include "kern_attention.inc"

@@ -86,8 +86,9 @@ def parse_quantization(value: Any) -> QuantConfig:
                                       "(ERNIE-4.5-VL's vision experts are quantized as its text experts)")
         for key in list(spec):
             if key not in _MIX_DEFAULTS:
-                raise ValueError(f"quantization 'mix_quant' got unknown key {key!r}; known: "
-                                 f"{['dense_quant_type', 'moe_quant_type', 'kv_cache_quant_type', 'image_moe_quant_type', *_MIX_DEFAULTS]}")
+                known = ["dense_quant_type", "moe_quant_type", "kv_cache_quant_type", "image_moe_quant_type",
+                         *_MIX_DEFAULTS]
+                raise ValueError(f"quantization 'mix_quant' got unknown key {key!r}; known: {known}")
             if spec[key] != _MIX_DEFAULTS[key] or type(spec[key]) is not type(_MIX_DEFAULTS[key]):
                 raise NotImplementedError(f"quantization {key}={spec[key]!r} is not implemented (only "
                                           f"{_MIX_DEFAULTS[key]!r}: weights are quantized while loading)")
