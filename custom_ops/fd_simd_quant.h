@@ -22,7 +22,8 @@ FD_INLINE __m256i e4m3_codes8(__m256 y) {
   const __m256i u = _mm256_castps_si256(a);
   const __m256i half = _mm256_add_epi32(_mm256_set1_epi32(0x7FFFF),
                                         _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1)));
-  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(u, half), 20), _mm256_set1_epi32(120 << 3));
+  const __m256i normal =
+      _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(u, half), 20), _mm256_set1_epi32(120 << 3));
   const __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)));
   const __m256i small = _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ));
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(y), 24), _mm256_set1_epi32(0x80));

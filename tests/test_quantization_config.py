@@ -23,11 +23,13 @@ MIX = {"quantization": "mix_quant", "dense_quant_type": "wint8", "moe_quant_type
     (None, QuantConfig()),
     ("wint4", QuantConfig("wint4")),
     ({"quantization": "wint8"}, QuantConfig("wint8")),
-    ('{"quantization": "wint8", "kv_cache_quant_type": "block_wise_fp8"}', QuantConfig("wint8", None, "block_wise_fp8")),
+    ('{"quantization": "wint8", "kv_cache_quant_type": "block_wise_fp8"}',
+     QuantConfig("wint8", None, "block_wise_fp8")),
     (MIX, QuantConfig("wint8", "wint4", "block_wise_fp8")),
     (json.dumps(MIX), QuantConfig("wint8", "wint4", "block_wise_fp8")),
     ({"kv_cache_quant_type": "block_wise_fp8"}, QuantConfig(None, None, "block_wise_fp8")),
-    (dict(MIX, kv_cache_quant_type=None, is_permuted=True, image_moe_quant_type="wint4"), QuantConfig("wint8", "wint4")),
+    (dict(MIX, kv_cache_quant_type=None, is_permuted=True, image_moe_quant_type="wint4"),
+     QuantConfig("wint8", "wint4")),
 ])
 def test_forms_of_the_quantization_argument(given, expected):
     assert parse_quantization(given) == expected
