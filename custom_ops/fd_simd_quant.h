@@ -6,14 +6,8 @@
 namespace fd {
 namespace FD_NS {
 
-// float8 e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities, 0x7F / 0xFF NaN).
-// Its bits moved into a float16's (exponent field widened from 4 to 5 bits, biased 15) are the value / 256,
-// subnormals included, which F16C converts exactly: 16 codes -> 16 floats x s256 (s256 = scale * 256).
-FD_INLINE __m256i e4m3_as_f16(__m128i codes) {
-  const __m256i w = _mm256_cvtepu8_epi16(codes);
-  return _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(0x3F80)),
-                         _mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16((short)0x8000)));
-}
+// float8 e4m3fn: 1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities, 0x7F / 0xFF NaN.
+//
 // 8 floats -> their e4m3fn codes in int32 lanes, rounded to nearest even, |y| saturated at 448 (as
 // Paddle's cast to float8_e4m3fn): normal values by rounding the float32 mantissa to 3 bits and rebiasing
 // the exponent (127 -> 7), those below 2^-6 as multiples of 2^-9.
@@ -30,10 +24,17 @@ FD_INLINE __m256i e4m3_codes8(__m256 y) {
   return _mm256_or_si256(_mm256_blendv_epi8(normal, sub, small), sign);
 }
 
+// vload_e4m3_lanes: 16 codes as 16 floats x s256 (s256 = the row's scale x 256) in attention's lane order
+// (fd_simd.h). A code's bits moved into a float16's (exponent field widened from 4 to 5 bits, biased 15) are
+// its value / 256, subnormals included, which F16C converts exactly.
+
 #if defined(FD_AVX512)
 
-FD_INLINE VF vload_e4m3(const uint8_t* p, VF s256) {
-  return {_mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_f16(_mm_loadu_si128((const __m128i*)p))), s256.v)};
+FD_INLINE VF vload_e4m3_lanes(const uint8_t* p, VF s256) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(0x3F80)),
+                                    _mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16((short)0x8000)));
+  return {_mm512_mul_ps(_mm512_cvtph_ps(h), s256.v)};
 }
 FD_INLINE void vstore_e4m3(uint8_t* p, VF y) {
   const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(e4m3_codes8(_mm512_castps512_ps256(y.v))),
@@ -74,10 +75,15 @@ FD_INLINE VI pfinish(VP acc, VI) { return {acc.v}; }
 
 #else  // AVX2 + FMA
 
-FD_INLINE VF vload_e4m3(const uint8_t* p, VF s256) {
-  const __m256i h = e4m3_as_f16(_mm_loadu_si128((const __m128i*)p));
-  return {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s256.lo),
-          _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s256.hi)};
+// The even columns' codes are the low bytes of 8 16-bit words and the odd ones the high bytes: each half's
+// float16s come from the words in place, already in the lane order (even columns, then odd ones).
+FD_INLINE VF vload_e4m3_lanes(const uint8_t* p, VF s256) {
+  const __m128i w = _mm_loadu_si128((const __m128i*)p);
+  const __m128i mag = _mm_set1_epi16(0x3F80), sign = _mm_set1_epi16((short)0x8000);
+  const __m128i even =
+      _mm_or_si128(_mm_and_si128(_mm_slli_epi16(w, 7), mag), _mm_and_si128(_mm_slli_epi16(w, 8), sign));
+  const __m128i odd = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(w, 1), mag), _mm_and_si128(w, sign));
+  return {_mm256_mul_ps(_mm256_cvtph_ps(even), s256.lo), _mm256_mul_ps(_mm256_cvtph_ps(odd), s256.hi)};
 }
 FD_INLINE void vstore_e4m3(uint8_t* p, VF y) {
   __m256i w = _mm256_packus_epi32(e4m3_codes8(y.lo), e4m3_codes8(y.hi));  // lanes interleaved by 128 bits

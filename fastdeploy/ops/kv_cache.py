@@ -12,10 +12,9 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-KV_CACHE_DTYPES = ("float32", "bfloat16", "block_wise_fp8")
 FP8_MAX = 448.0
 FP8_SCALE_BYTES = 4
-_CACHE_KINDS = {"float32": 0, "bfloat16": 1, "block_wise_fp8": 2}  # fd::CacheKind (custom_ops/fd_kernels.h)
+_CACHE_KINDS = {paddle.float32: 0, paddle.bfloat16: 1, paddle.uint8: 2}  # fd::CacheKind (custom_ops/fd_kernels.h)
 _TENSOR_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "block_wise_fp8": "uint8"}
 
 
@@ -37,14 +36,9 @@ def allocate_cache(num_blocks: int, kv_heads: int, block_size: int, head_dim: in
     return paddle.empty(shape, dtype=_TENSOR_DTYPES[kv_cache_dtype])
 
 
-def cache_dtype_of(cache: paddle.Tensor) -> str:
-    """The kv_cache_dtype a cache tensor holds."""
-    return {paddle.float32: "float32", paddle.bfloat16: "bfloat16", paddle.uint8: "block_wise_fp8"}[cache.dtype]
-
-
 def cache_kind(cache: paddle.Tensor) -> int:
-    """The kernels' code for the cache's rows (fd::CacheKind)."""
-    return _CACHE_KINDS[cache_dtype_of(cache)]
+    """The kernels' code for the cache's rows (fd::CacheKind): float32, bfloat16, or uint8 block_wise_fp8."""
+    return _CACHE_KINDS[cache.dtype]
 
 
 def quantize_fp8_rows(x: np.ndarray) -> np.ndarray:
