@@ -15,7 +15,7 @@ import paddle
 FP8_MAX = 448.0
 FP8_SCALE_BYTES = 4
 _CACHE_KINDS = {paddle.float32: 0, paddle.bfloat16: 1, paddle.uint8: 2}  # fd::CacheKind (custom_ops/fd_kernels.h)
-_TENSOR_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "block_wise_fp8": "uint8"}
+_TENSORS = {"float32": ("float32", 4), "bfloat16": ("bfloat16", 2), "block_wise_fp8": ("uint8", 1)}  # dtype, bytes
 
 
 def row_width(head_dim: int, kv_cache_dtype: str) -> int:
@@ -25,7 +25,7 @@ def row_width(head_dim: int, kv_cache_dtype: str) -> int:
 
 def row_bytes(head_dim: int, kv_cache_dtype: str) -> int:
     """Bytes of one cache row (one position of one kv head's keys, or its values)."""
-    return row_width(head_dim, kv_cache_dtype) * {"float32": 4, "bfloat16": 2, "block_wise_fp8": 1}[kv_cache_dtype]
+    return row_width(head_dim, kv_cache_dtype) * _TENSORS[kv_cache_dtype][1]
 
 
 def allocate_cache(num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
@@ -33,7 +33,7 @@ def allocate_cache(num_blocks: int, kv_heads: int, block_size: int, head_dim: in
     """One layer's cache, left uninitialised: attention reads only rows written earlier, and untouched
     pages cost no RAM."""
     shape = [2, num_blocks, kv_heads, block_size, row_width(head_dim, kv_cache_dtype)]
-    return paddle.empty(shape, dtype=_TENSOR_DTYPES[kv_cache_dtype])
+    return paddle.empty(shape, dtype=_TENSORS[kv_cache_dtype][0])
 
 
 def cache_kind(cache: paddle.Tensor) -> int:

@@ -197,8 +197,8 @@ class ModelRunner:
         """Bytes of one KV block over all ranks (they share this host's memory)."""
         mc = self.config.model_config
         heads = kv_heads_per_rank(mc.num_key_value_heads, self.tp.size) * self.tp.size
-        return 2 * mc.num_hidden_layers * self.config.block_size * heads * row_bytes(mc.head_dim,
-                                                                                     self.config.kv_cache_dtype)
+        row = row_bytes(mc.head_dim, self.config.kv_cache_dtype)
+        return 2 * mc.num_hidden_layers * self.config.block_size * heads * row
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
