@@ -5,9 +5,10 @@
 // inputs, so its logits and KV cache are the same bits; what it saves is the ~10 Paddle op dispatches
 // and the Python around them per layer, which at one stream cost more than the weights' streaming does.
 // ctypes releases the GIL for the call.
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
-#include <chrono>
 #include <cstring>
 
 #include "fd_kernels.h"
@@ -120,6 +121,10 @@ void linear(const KernelTable& kt, const float* x, const MoeWeight& w, const flo
 struct Buffers {
   float *resid, *x, *y, *qkv, *attn, *ug, *act, *cos, *sin, *rows_y, *rows_r, *moe_w;
   int64_t *moe_ids, *q_start, *slots;
+  // The last layer's kept rows (kept_rows): each request's first kept row and first kept index, logit row r's
+  // index among them; no queries (B + 1 zeros) and no slots (-1s) for the attention calls that only write /
+  // only read.
+  int64_t *first, *kept_start, *logit_at, *no_queries, *no_slots;
 };
 
 // Lays the buffers out in `base` (nullptr: only counts); returns the floats needed.
@@ -141,6 +146,11 @@ int64_t carve(const StepModel& m, int64_t T, int64_t B, int64_t R, float* base, 
   b->moe_ids = reinterpret_cast<int64_t*>(c.take(2 * T * m.max_top_k));
   b->q_start = reinterpret_cast<int64_t*>(c.take(2 * (B + 1)));
   b->slots = reinterpret_cast<int64_t*>(c.take(2 * T));
+  b->first = reinterpret_cast<int64_t*>(c.take(2 * B));
+  b->kept_start = reinterpret_cast<int64_t*>(c.take(2 * (B + 1)));
+  b->logit_at = reinterpret_cast<int64_t*>(c.take(2 * R));
+  b->no_queries = reinterpret_cast<int64_t*>(c.take(2 * (B + 1)));
+  b->no_slots = reinterpret_cast<int64_t*>(c.take(2 * T));
   return c.used;
 }
 
@@ -161,13 +171,35 @@ bool cache_slots(const StepModel& m, const StepBatch& s, int64_t* q_start, int64
   return q_start[s.B] == s.T;
 }
 
-void attention_block(const KernelTable& kt, const StepModel& m, const StepLayer& L, const StepBatch& s,
-                     const Buffers& b, Clock& clock) {
-  const int64_t T = s.T, D = m.head_dim, QD = m.heads * D, KD = m.kv_heads * D, W = QD + 2 * KD;
+// The rows the last layer carries past its K/V: per request, its new tokens from its first logit row on (a
+// suffix, as attention's queries must be). No other row's output of the last layer is ever read, so for
+// them only K/V are computed and written (llama.cpp likewise drops them there). Returns how many rows are kept.
+int64_t kept_rows(const StepBatch& s, const Buffers& b) {
+  const auto owner = [&](int64_t row) {  // the request whose new tokens hold the row
+    return std::upper_bound(b.q_start, b.q_start + s.B + 1, row) - b.q_start - 1;
+  };
+  for (int64_t i = 0; i < s.B; ++i) b.first[i] = b.q_start[i + 1];
+  for (int64_t r = 0; r < s.R; ++r) {
+    int64_t& first = b.first[owner(s.logit_rows[r])];
+    first = std::min(first, s.logit_rows[r]);
+  }
+  b.kept_start[0] = 0;
+  for (int64_t i = 0; i < s.B; ++i) b.kept_start[i + 1] = b.kept_start[i] + b.q_start[i + 1] - b.first[i];
+  for (int64_t r = 0; r < s.R; ++r) {
+    const int64_t i = owner(s.logit_rows[r]);
+    b.logit_at[r] = b.kept_start[i] + s.logit_rows[r] - b.first[i];
+  }
+  return b.kept_start[s.B];
+}
+
+// q, k and v of every row (rotated, Qwen3's per-head norms applied) where the fused rows have them (row stride
+// W), not split out.
+void qkv_rope(const KernelTable& kt, const StepModel& m, const StepLayer& L, int64_t T, const Buffers& b,
+              Clock& clock) {
+  const int64_t D = m.head_dim, QD = m.heads * D, KD = m.kv_heads * D, W = QD + 2 * KD;
   linear(kt, b.x, L.qkv, L.qkv_bias, b.qkv, T);
   clock.mark(kQkv);
-  // q, k and v are used where the fused rows have them (row stride W), not split out.
-  float *q = b.qkv, *k = q + QD, *v = k + KD;
+  float *q = b.qkv, *k = q + QD;
   if (L.q_norm != nullptr)
     for (int64_t t = 0; t < T; ++t) {  // per token: its heads' rows are consecutive only within its row
       kt.rms_norm(q + t * W, nullptr, L.q_norm, q + t * W, nullptr, m.heads, D, m.eps);
@@ -175,11 +207,37 @@ void attention_block(const KernelTable& kt, const StepModel& m, const StepLayer&
     }
   kt.rotary(q, k, b.cos, b.sin, T, m.heads, m.kv_heads, D, W, W, m.interleaved != 0);
   clock.mark(kRope);
-  kt.attention(AttentionArgs{q, k, v, L.kv_cache, b.slots, b.q_start, s.ctx_lens, s.blocks, b.attn, T, s.B,
-                             m.heads, m.kv_heads, D, m.cache_slots, s.max_blocks, m.block_size, W, W, m.attn_scale,
-                             true, m.cache_kind});
+}
+
+// Attention over the fused rows: T rows whose K/V go to `slots` (negative: not written), queries per request
+// as q_start says, outputs into b.attn.
+void attend(const KernelTable& kt, const StepModel& m, const StepLayer& L, const StepBatch& s, const Buffers& b,
+            int64_t T, const int64_t* slots, const int64_t* q_start, Clock& clock) {
+  const int64_t D = m.head_dim, QD = m.heads * D, KD = m.kv_heads * D, W = QD + 2 * KD;
+  float *q = b.qkv, *k = q + QD, *v = k + KD;
+  kt.attention(AttentionArgs{q, k, v, L.kv_cache, slots, q_start, s.ctx_lens, s.blocks, b.attn, T, s.B, m.heads,
+                             m.kv_heads, D, m.cache_slots, s.max_blocks, m.block_size, W, W, m.attn_scale, true,
+                             m.cache_kind});
   clock.mark(kAttention);
-  linear(kt, b.attn, L.o, L.o_bias, b.y, T);
+}
+
+// The last layer when it keeps `kept` < T rows: every row's K/V into the cache (a call with no queries), the
+// kept rows' qkv and residual moved to the front (each kept row's index is at most its row), then attention (a
+// call that writes nothing), out projection and MLP for those rows alone.
+void last_layer_kept(const KernelTable& kt, const StepModel& m, const StepLayer& L, const StepBatch& s,
+                     const Buffers& b, int64_t kept, Clock& clock) {
+  const int64_t H = m.hidden, W = (m.heads + 2 * m.kv_heads) * m.head_dim;
+  qkv_rope(kt, m, L, s.T, b, clock);
+  attend(kt, m, L, s, b, s.T, b.slots, b.no_queries, clock);
+  if (kept == 0) return;
+  for (int64_t i = 0; i < s.B; ++i)
+    for (int64_t row = b.first[i]; row < b.q_start[i + 1]; ++row) {
+      const int64_t at = b.kept_start[i] + row - b.first[i];
+      std::memmove(b.qkv + at * W, b.qkv + row * W, W * sizeof(float));
+      std::memmove(b.resid + at * H, b.resid + row * H, H * sizeof(float));
+    }
+  attend(kt, m, L, s, b, kept, b.no_slots, b.kept_start, clock);
+  linear(kt, b.attn, L.o, L.o_bias, b.y, kept);
   clock.mark(kOut);
 }
 
@@ -256,21 +314,34 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
   }
   packed_columns(m.embedding.w, m.embedding.scales, m.embedding.fmt, m.embedding.K, m.embedding.N, s.ids, T, b.resid);
   clock.mark(kEmbed);
+  const int64_t kept = kept_rows(s, b);
+  for (int64_t i = 0; i <= s.B; ++i) b.no_queries[i] = 0;
+  for (int64_t t = 0; t < kept; ++t) b.no_slots[t] = -1;
   for (int64_t l = 0; l < m.num_layers; ++l) {
     const StepLayer& L = m.layers[l];
     // The residual add is folded into the next norm, as in the Paddle path.
     if (l == 0) kt.rms_norm(b.resid, nullptr, L.input_norm, b.x, nullptr, T, H, m.eps);
     else kt.rms_norm(b.y, b.resid, L.input_norm, b.x, b.resid, T, H, m.eps);
     clock.mark(kNorm);
-    attention_block(kt, m, L, s, b, clock);
-    kt.rms_norm(b.y, b.resid, L.post_norm, b.x, b.resid, T, H, m.eps);
+    // Rows this layer carries on: all but in the last layer.
+    const int64_t rows = l + 1 < m.num_layers ? T : kept;
+    if (rows == T) {
+      qkv_rope(kt, m, L, T, b, clock);
+      attend(kt, m, L, s, b, T, b.slots, b.q_start, clock);
+      linear(kt, b.attn, L.o, L.o_bias, b.y, T);
+      clock.mark(kOut);
+    } else {
+      last_layer_kept(kt, m, L, s, b, rows, clock);
+      if (rows == 0) break;
+    }
+    kt.rms_norm(b.y, b.resid, L.post_norm, b.x, b.resid, rows, H, m.eps);
     clock.mark(kNorm);
-    mlp_block(kt, L, T, H, b, clock);
+    mlp_block(kt, L, rows, H, b, clock);
   }
   if (s.R == 0) return 0;
   // Only the rows that need logits go through the final norm (a row's norm does not depend on the others).
   for (int64_t r = 0; r < s.R; ++r) {
-    const int64_t row = s.logit_rows[r];
+    const int64_t row = b.logit_at[r];  // its row among the last layer's (the step's row when all are kept)
     std::memcpy(b.rows_y + r * H, b.y + row * H, H * sizeof(float));
     std::memcpy(b.rows_r + r * H, b.resid + row * H, H * sizeof(float));
   }
