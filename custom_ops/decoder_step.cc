@@ -221,24 +221,15 @@ void attend(const KernelTable& kt, const StepModel& m, const StepLayer& L, const
   clock.mark(kAttention);
 }
 
-// The last layer when it keeps `kept` < T rows: every row's K/V into the cache (a call with no queries), the
-// kept rows' qkv and residual moved to the front (each kept row's index is at most its row), then attention (a
-// call that writes nothing), out projection and MLP for those rows alone.
-void last_layer_kept(const KernelTable& kt, const StepModel& m, const StepLayer& L, const StepBatch& s,
-                     const Buffers& b, int64_t kept, Clock& clock) {
+// The kept rows' qkv and residual moved to the front, in order (a kept row's index is at most its row).
+void move_kept_rows(const StepModel& m, const StepBatch& s, const Buffers& b) {
   const int64_t H = m.hidden, W = (m.heads + 2 * m.kv_heads) * m.head_dim;
-  qkv_rope(kt, m, L, s.T, b, clock);
-  attend(kt, m, L, s, b, s.T, b.slots, b.no_queries, clock);
-  if (kept == 0) return;
   for (int64_t i = 0; i < s.B; ++i)
     for (int64_t row = b.first[i]; row < b.q_start[i + 1]; ++row) {
       const int64_t at = b.kept_start[i] + row - b.first[i];
       std::memmove(b.qkv + at * W, b.qkv + row * W, W * sizeof(float));
       std::memmove(b.resid + at * H, b.resid + row * H, H * sizeof(float));
     }
-  attend(kt, m, L, s, b, kept, b.no_slots, b.kept_start, clock);
-  linear(kt, b.attn, L.o, L.o_bias, b.y, kept);
-  clock.mark(kOut);
 }
 
 void mlp_block(const KernelTable& kt, const StepLayer& L, int64_t T, int64_t H, const Buffers& b, Clock& clock) {
@@ -323,17 +314,19 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
     if (l == 0) kt.rms_norm(b.resid, nullptr, L.input_norm, b.x, nullptr, T, H, m.eps);
     else kt.rms_norm(b.y, b.resid, L.input_norm, b.x, b.resid, T, H, m.eps);
     clock.mark(kNorm);
-    // Rows this layer carries on: all but in the last layer.
+    qkv_rope(kt, m, L, T, b, clock);
+    // Rows this layer carries past its K/V: all but in the last layer.
     const int64_t rows = l + 1 < m.num_layers ? T : kept;
     if (rows == T) {
-      qkv_rope(kt, m, L, T, b, clock);
       attend(kt, m, L, s, b, T, b.slots, b.q_start, clock);
-      linear(kt, b.attn, L.o, L.o_bias, b.y, T);
-      clock.mark(kOut);
-    } else {
-      last_layer_kept(kt, m, L, s, b, rows, clock);
+    } else {  // every row's K/V into the cache (no queries), then the kept rows' queries (writing nothing)
+      attend(kt, m, L, s, b, T, b.slots, b.no_queries, clock);
       if (rows == 0) break;
+      move_kept_rows(m, s, b);
+      attend(kt, m, L, s, b, rows, b.no_slots, b.kept_start, clock);
     }
+    linear(kt, b.attn, L.o, L.o_bias, b.y, rows);
+    clock.mark(kOut);
     kt.rms_norm(b.y, b.resid, L.post_norm, b.x, b.resid, rows, H, m.eps);
     clock.mark(kNorm);
     mlp_block(kt, L, rows, H, b, clock);
