@@ -88,6 +88,43 @@ def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> Non
                                       err_msg=f"layer {layer} KV cache")
 
 
+@pytest.mark.parametrize("name", ["ernie45_tiny_hf", "ernie45_moe_tiny_paddle"])
+def test_last_layer_kept_rows_give_the_layer_paths_bits(name: str) -> None:
+    """The compiled step's last layer goes past K/V only for each request's rows from its first logit row on.
+    Random steps (chunks of several requests at once, logit rows anywhere in them, repeated, unordered, or
+    none) give the layer path's logits and KV cache, bit for bit."""
+    model = load_model(ModelConfig.from_pretrained(MODELS / name))
+    cfg = model.config
+    layer_caches, compiled_caches = (allocate_kv_caches(cfg.num_hidden_layers, 12, BLOCK, cfg.num_key_value_heads,
+                                                        cfg.head_dim, "bfloat16") for _ in range(2))
+    for c in (*layer_caches, *compiled_caches):
+        c.fill_(0.0)
+    compiled = CompiledDecoder.build(model, compiled_caches, BLOCK, MAX_LEN)
+    rng = np.random.default_rng(7)
+    done, tables = [0, 0, 0], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    for step in range(6):
+        ids, pos, q, c, t = [], [], [], [], []
+        for r in rng.permutation(3)[:rng.integers(1, 4)]:
+            n = int(rng.integers(1, 12))
+            ids += rng.integers(3, cfg.vocab_size, n).tolist()
+            pos += range(done[r], done[r] + n)
+            done[r] += n
+            q.append(n)
+            c.append(done[r])
+            t.append(tables[r])
+        rows = rng.integers(0, len(ids), int(rng.integers(0, 5))) if step else np.zeros(0, np.int64)
+        batch = ForwardBatch(np.asarray(ids, np.int64), np.asarray(pos, np.int64), q, c, t, rows.astype(np.int64))
+        expected = run_step(model, batch, BLOCK, layer_caches)
+        got = compiled.forward(batch)
+        if expected is None:
+            assert got is None
+            continue
+        np.testing.assert_array_equal(got.numpy(), expected.numpy(), err_msg=f"step {step} rows {rows}")
+    for layer, (a, b) in enumerate(zip(layer_caches, compiled_caches)):
+        np.testing.assert_array_equal(a.astype("float32").numpy(), b.astype("float32").numpy(),
+                                      err_msg=f"layer {layer} KV cache")
+
+
 @pytest.mark.parametrize("quantization", [None, "wint4"])
 def test_greedy_tokens_inside_the_step_are_the_argmax_of_its_logits(quantization: str | None) -> None:
     """forward_tokens (the runner's path for all-greedy steps) gives numpy's argmax of the logits forward
