@@ -56,16 +56,10 @@ def schedule(model_vocab: int, seed: int) -> list[ForwardBatch]:
     return steps
 
 
-@pytest.mark.parametrize("quantization", [None, "wint8", "wint4"])
-@pytest.mark.parametrize("name", ["ernie45_tiny_hf", "ernie45_tiny_paddle", "ernie45_moe_tiny_hf",
-                                  "ernie45_moe_tiny_paddle", "qwen2_tiny", "qwen3_tiny", "ernie45_vl_tiny_hf"])
-def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> None:
-    model = load_model(ModelConfig.from_pretrained(MODELS / name), quantization=quantization)
+def assert_same_bits(model, batches: list[ForwardBatch], kv_dtype: str) -> int:
+    """Runs the batches through the layer path and the compiled step, each on its own zeroed caches: the same
+    logits at every step and the same caches at the end. Returns the logit rows compared."""
     cfg = model.config
-    assert unsupported_reason(model) is None
-
-    # every cache kind over the grid
-    kv_dtype = {None: "float32", "wint8": "bfloat16", "wint4": "block_wise_fp8"}[quantization]
 
     def caches() -> list[paddle.Tensor]:
         out = allocate_kv_caches(cfg.num_hidden_layers, 12, BLOCK, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
@@ -76,55 +70,60 @@ def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> Non
     layer_caches, compiled_caches = caches(), caches()
     compiled = CompiledDecoder.build(model, compiled_caches, BLOCK, MAX_LEN)
     assert compiled is not None
-    for i, batch in enumerate(schedule(cfg.vocab_size, seed=len(name))):
+    compared = 0
+    for i, batch in enumerate(batches):
         expected = run_step(model, batch, BLOCK, layer_caches)
         got = compiled.forward(batch)
         if expected is None:
             assert got is None
             continue
-        np.testing.assert_array_equal(got.numpy(), expected.numpy(), err_msg=f"step {i} logits")
+        np.testing.assert_array_equal(got.numpy(), expected.numpy(),
+                                      err_msg=f"step {i} logits, rows {batch.logit_rows}")
+        compared += len(batch.logit_rows)
     for layer, (a, b) in enumerate(zip(layer_caches, compiled_caches)):
         np.testing.assert_array_equal(a.astype("float32").numpy(), b.astype("float32").numpy(),
                                       err_msg=f"layer {layer} KV cache")
+    return compared
 
 
-@pytest.mark.parametrize("name", ["ernie45_tiny_hf", "ernie45_moe_tiny_paddle"])
-def test_last_layer_kept_rows_give_the_layer_paths_bits(name: str) -> None:
-    """The compiled step's last layer goes past K/V only for each request's rows from its first logit row on.
-    Random steps (chunks of several requests at once, logit rows anywhere in them, repeated, unordered, or
-    none) give the layer path's logits and KV cache, bit for bit."""
-    model = load_model(ModelConfig.from_pretrained(MODELS / name))
-    cfg = model.config
-    layer_caches, compiled_caches = (allocate_kv_caches(cfg.num_hidden_layers, 12, BLOCK, cfg.num_key_value_heads,
-                                                        cfg.head_dim, "bfloat16") for _ in range(2))
-    for c in (*layer_caches, *compiled_caches):
-        c.fill_(0.0)
-    compiled = CompiledDecoder.build(model, compiled_caches, BLOCK, MAX_LEN)
-    rng = np.random.default_rng(7)
-    done, tables, compared = [0, 0, 0], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], 0
+@pytest.mark.parametrize("quantization", [None, "wint8", "wint4"])
+@pytest.mark.parametrize("name", ["ernie45_tiny_hf", "ernie45_tiny_paddle", "ernie45_moe_tiny_hf",
+                                  "ernie45_moe_tiny_paddle", "qwen2_tiny", "qwen3_tiny", "ernie45_vl_tiny_hf"])
+def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> None:
+    model = load_model(ModelConfig.from_pretrained(MODELS / name), quantization=quantization)
+    assert unsupported_reason(model) is None
+    # every cache kind over the grid
+    kv_dtype = {None: "float32", "wint8": "bfloat16", "wint4": "block_wise_fp8"}[quantization]
+    assert assert_same_bits(model, schedule(model.config.vocab_size, seed=len(name)), kv_dtype) > 0
+
+
+def random_steps(vocab: int, seed: int) -> list[ForwardBatch]:
+    """Six steps of chunks of one to three requests (at most 10 tokens each, within 4 blocks of 16), with up
+    to four logit rows drawn anywhere in the step (so repeated, unordered, or none; none in the first)."""
+    rng = np.random.default_rng(seed)
+    done, tables, steps = [0, 0, 0], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], []
     for step in range(6):
         ids, pos, q, c, t = [], [], [], [], []
         for r in rng.permutation(3)[:rng.integers(1, 4)]:
-            n = int(rng.integers(1, 11))  # at most 6 x 10 tokens: within the 4 blocks of 16
-            ids += rng.integers(3, cfg.vocab_size, n).tolist()
+            n = int(rng.integers(1, 11))
+            ids += rng.integers(3, vocab, n).tolist()
             pos += range(done[r], done[r] + n)
             done[r] += n
             q.append(n)
             c.append(done[r])
             t.append(tables[r])
         rows = rng.integers(0, len(ids), int(rng.integers(0, 5))) if step else np.zeros(0, np.int64)
-        batch = ForwardBatch(np.asarray(ids, np.int64), np.asarray(pos, np.int64), q, c, t, rows.astype(np.int64))
-        expected = run_step(model, batch, BLOCK, layer_caches)
-        got = compiled.forward(batch)
-        if expected is None:
-            assert got is None
-            continue
-        np.testing.assert_array_equal(got.numpy(), expected.numpy(), err_msg=f"step {step} rows {rows}")
-        compared += len(rows)
-    assert compared > 0
-    for layer, (a, b) in enumerate(zip(layer_caches, compiled_caches)):
-        np.testing.assert_array_equal(a.astype("float32").numpy(), b.astype("float32").numpy(),
-                                      err_msg=f"layer {layer} KV cache")
+        steps.append(ForwardBatch(np.asarray(ids, np.int64), np.asarray(pos, np.int64), q, c, t,
+                                  rows.astype(np.int64)))
+    return steps
+
+
+@pytest.mark.parametrize("name", ["ernie45_tiny_hf", "ernie45_moe_tiny_paddle"])
+def test_last_layer_kept_rows_give_the_layer_paths_bits(name: str) -> None:
+    """The compiled step's last layer goes past K/V only for each request's rows from its first logit row on.
+    Random steps give the layer path's logits and KV cache, bit for bit."""
+    model = load_model(ModelConfig.from_pretrained(MODELS / name))
+    assert assert_same_bits(model, random_steps(model.config.vocab_size, seed=7), "bfloat16") > 0
 
 
 @pytest.mark.parametrize("quantization", [None, "wint4"])
