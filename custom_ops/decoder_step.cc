@@ -306,8 +306,6 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
   packed_columns(m.embedding.w, m.embedding.scales, m.embedding.fmt, m.embedding.K, m.embedding.N, s.ids, T, b.resid);
   clock.mark(kEmbed);
   const int64_t kept = kept_rows(s, b);
-  for (int64_t i = 0; i <= s.B; ++i) b.no_queries[i] = 0;
-  for (int64_t t = 0; t < kept; ++t) b.no_slots[t] = -1;
   for (int64_t l = 0; l < m.num_layers; ++l) {
     const StepLayer& L = m.layers[l];
     // The residual add is folded into the next norm, as in the Paddle path.
@@ -320,9 +318,11 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
     if (rows == T) {
       attend(kt, m, L, s, b, T, b.slots, b.q_start, clock);
     } else {  // every row's K/V into the cache (no queries), then the kept rows' queries (writing nothing)
+      std::fill(b.no_queries, b.no_queries + s.B + 1, 0);
       attend(kt, m, L, s, b, T, b.slots, b.no_queries, clock);
       if (rows == 0) break;
       move_kept_rows(m, s, b);
+      std::fill(b.no_slots, b.no_slots + rows, -1);
       attend(kt, m, L, s, b, rows, b.no_slots, b.kept_start, clock);
     }
     linear(kt, b.attn, L.o, L.o_bias, b.y, rows);

@@ -16,6 +16,7 @@ enum WeightFormat : int { kFp32 = 0, kBf16 = 1, kInt8 = 2, kInt4 = 3 };
 // scale (its largest |value| / 448), so D + 4 bytes.
 enum CacheKind : int { kCacheF32 = 0, kCacheBf16 = 1, kCacheFp8 = 2 };
 constexpr int64_t kFp8ScaleBytes = 4;
+constexpr float kFp8Max = 448.0f;  // e4m3fn's largest finite value
 
 struct AttentionArgs {
   const float* q;          // token t's H heads x D at q + t * q_stride

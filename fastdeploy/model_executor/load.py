@@ -238,8 +238,8 @@ def load_model(config: ModelConfig, tp: TPGroup = SINGLE, quantization: QuantCon
     """Build the model for `config.architectures` (this rank's shard of it when `tp` has several
     ranks) with its weights packed as `quantization` (None, "wint8", "wint4" or a QuantConfig's weight
     formats), `dtype` and `lm_head_fp32` say (layers/packed.py's Precision; validated by EngineConfig),
-    fill it from the checkpoint, and put it in eval mode. Raises ValueError before anything large is allocated when the weights would not fit in
-    `available_bytes` (default: the host's available memory)."""
+    fill it from the checkpoint, and put it in eval mode. Raises ValueError before anything large is
+    allocated when the weights would not fit in `available_bytes` (default: the host's available memory)."""
     model_class = get_model_class(config.architectures)
     start = time.perf_counter()
     with building_for(tp):
