@@ -16,7 +16,7 @@ their outputs (0: the same bits).
 Both versions share the checkout's fd_simd.h and kern_elementwise.inc. Attention: a bf16 cache
 [2, blocks, kv_heads, 64, head_dim] with its blocks in random order, `--layers` caches cycled (18 x 8k
 positions: every read from DRAM; one layer of a few thousand: from L3). Linear: y = x W with W packed
-from random float32 [k, n], as many copies cycled as make 256 MB (every weight read from DRAM).
+from random float32 [k, n], as many copies cycled as make --cycle-mb MB (default 256: every weight read from DRAM).
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
   const int64_t Kp = (K + block - 1) / block * block;
   const int64_t bytes = fmt == fd::kFp32 ? Np * K * 64 : fmt == fd::kBf16 ? Np * K * 32 : Np * Kp * (fmt == fd::kInt8 ? 16 : 8);
   const int64_t nscales = fmt == fd::kInt8 ? Np * 16 : fmt == fd::kInt4 ? Np * (Kp / fd::kInt4Group) * 16 : 0;
-  const int64_t copies = std::max<int64_t>(1, (256LL << 20) / bytes);
+  const int64_t copies = std::max<int64_t>(1, (atoll(argv[7]) << 20) / bytes);
   std::mt19937 rng(0);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> src(K * N), x(T * K), out(T * N);
@@ -230,6 +230,9 @@ def main() -> None:
     p.add_argument("--k", type=int, default=1024, help="linear: input features (default 1024)")
     p.add_argument("--n", type=int, default=6144, help="linear: output features (default 6144)")
     p.add_argument("--format", choices=list(FORMATS), default="int4", help="linear: packed weight format")
+    p.add_argument("--cycle-mb", type=int, default=256,
+                   help="linear: copies of the weights cycled to make this many MB (default 256: every weight read "
+                        "from DRAM; 0: one copy, in cache when it fits)")
     args = p.parse_args()
     if args.kernel == "attention" and (args.tokens > args.ctx or args.heads % args.kv_heads or args.head_dim % 16):
         raise SystemExit("attention needs tokens <= ctx, heads a multiple of kv-heads and head-dim a multiple of 16")
@@ -240,7 +243,7 @@ def main() -> None:
                 f"{args.layers} layer(s) cycled")
         driver, arg_type = ATTENTION_DRIVER, "AttentionArgs"
     else:
-        shape = [args.rows, args.k, args.n, FORMATS[args.format], args.rounds, level]
+        shape = [args.rows, args.k, args.n, FORMATS[args.format], args.rounds, level, args.cycle_mb]
         what = f"{args.rows} x {args.k} @ {args.k} x {args.n} {args.format}"
         driver, arg_type = LINEAR_DRIVER, "LinearArgs"
     with tempfile.TemporaryDirectory(prefix="kernel_ab-") as tmp:
