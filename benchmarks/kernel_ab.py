@@ -1,4 +1,5 @@
-"""A/B of two builds of one compiled kernel (paged attention or the linear layer), alternating in one process.
+"""A/B of two builds of one compiled kernel (paged attention, the linear layer or the MoE layer), alternating in one
+process.
 
 These VMs drift by up to 1.5x within the hour, so two runs minutes apart cannot tell a 10 % change.
 This script compiles custom_ops/kern_<kernel>.inc twice into one small C++ program, as version A and
@@ -12,11 +13,14 @@ their outputs (0: the same bits).
     .venv/bin/python benchmarks/kernel_ab.py attention --ctx 512 --tokens 128   # a prefill chunk
     .venv/bin/python benchmarks/kernel_ab.py linear --format int4 --isa avx2 --b-const kGemvPrefetch=0
     .venv/bin/python benchmarks/kernel_ab.py linear --rows 16 --k 1024 --n 6144 --format int8
+    .venv/bin/python benchmarks/kernel_ab.py moe --rows 16 --format bf16 --isa avx2   # 21B-A3B's MoE layer, 16 tokens
 
 Both versions share the checkout's fd_simd.h and kern_elementwise.inc. Attention: a bf16 cache
 [2, blocks, kv_heads, 64, head_dim] with its blocks in random order, `--layers` caches cycled (18 x 8k
 positions: every read from DRAM; one layer of a few thousand: from L3). Linear: y = x W with W packed
 from random float32 [k, n], as many copies cycled as make --cycle-mb MB (default 256: every weight read from DRAM).
+MoE (kern_moe.inc over kern_linear.inc, both from the version's revision): --experts stacked experts in their own
+memory, 16 batches of --rows random tokens in turn, so each call routes to other experts, read from DRAM.
 """
 from __future__ import annotations
 
@@ -54,11 +58,9 @@ KERNELS = """#include <immintrin.h>
 namespace fd {{ namespace FD_NS {{
 #include "kern_elementwise.inc"
 namespace A {{ {consts_a}
-#include "{inc_a}"
-}}
+{incs_a}}}
 namespace B {{ {consts_b}
-#include "{inc_b}"
-}}
+{incs_b}}}
 }} }}
 void run_kernel(int version, const fd::{args}& a) {{
   if (version) fd::FD_NS::B::{function}(a); else fd::FD_NS::A::{function}(a);
@@ -167,6 +169,58 @@ int main(int argc, char** argv) {
 }
 """
 
+MOE_DRIVER = HEADER + "void run_kernel(int version, const fd::MoeArgs& a);\n" + TIMING + r"""
+// E experts' packed weights, each its own memory: a different batch of tokens per call picks other experts,
+// read from DRAM as in a model (E x an expert's bytes is far larger than the caches).
+struct Stacked {
+  std::vector<uint8_t> data;
+  std::vector<float> scales;
+  fd::MoeWeight w;
+};
+static Stacked stacked(int64_t E, int64_t K, int64_t N, int fmt, std::mt19937& rng) {
+  const int64_t Np = (N + fd::kPanel - 1) / fd::kPanel;
+  const int64_t block = fmt == fd::kInt8 ? fd::kActBlock : fmt == fd::kInt4 ? fd::kInt4Group : 1;
+  const int64_t Kp = (K + block - 1) / block * block;
+  const int64_t bytes = fmt == fd::kFp32 ? Np * K * 64 : fmt == fd::kBf16 ? Np * K * 32 : Np * Kp * (fmt == fd::kInt8 ? 16 : 8);
+  const int64_t ns = fmt == fd::kInt8 ? Np * 16 : fmt == fd::kInt4 ? Np * (Kp / fd::kInt4Group) * 16 : 1;
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  std::vector<float> src(K * N);
+  for (auto& v : src) v = normal(rng);
+  Stacked s{std::vector<uint8_t>(E * bytes), std::vector<float>(E * ns), {}};
+  for (int64_t e = 0; e < E; ++e)
+    fd::active_kernels()->pack(fd::PackArgs{src.data(), fd::kSrcF32, K, N, N, 1, fmt, s.data.data() + e * bytes,
+                                            s.scales.data() + e * ns, N, 0});
+  s.w = fd::MoeWeight{s.data.data(), s.scales.data(), bytes, ns, K, N, fmt};
+  return s;
+}
+int main(int argc, char** argv) {
+  const int64_t T = atoll(argv[1]), H = atoll(argv[2]), I = atoll(argv[3]), E = atoll(argv[4]), top_k = atoll(argv[5]),
+                shared_i = atoll(argv[6]), rounds = atoll(argv[8]);
+  const int fmt = atoi(argv[7]);
+  fd::set_active_isa(atoi(argv[9]));
+  constexpr int64_t kBatches = 16;
+  std::mt19937 rng(0);
+  Stacked router = stacked(1, H, E, fd::kFp32, rng), up_gate = stacked(E, H, 2 * I, fmt, rng),
+          down = stacked(E, I, H, fmt, rng);
+  Stacked su = shared_i ? stacked(1, H, 2 * shared_i, fmt, rng) : Stacked{},
+          sd = shared_i ? stacked(1, shared_i, H, fmt, rng) : Stacked{};
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(kBatches * T * H), out(T * H), weights(T * top_k);
+  for (auto& v : x) v = normal(rng);
+  std::vector<int64_t> ids(T * top_k);
+  std::printf("%lld experts of %.1f MB\n", static_cast<long long>(E), (up_gate.w.w_stride + down.w.w_stride) / 1e6);
+  fd::MoeArgs a{nullptr, router.w, nullptr, up_gate.w, down.w, su.w, sd.w, out.data(), ids.data(), weights.data(),
+                T, H, E, E, 0, top_k, 1e-12f, true};
+  compare([&](int version, int64_t only) -> int64_t {
+    for (int64_t b = only >= 0 ? only : 0; b < (only >= 0 ? only + 1 : kBatches); ++b) {
+      a.x = x.data() + b * T * H;
+      run_kernel(version, a);
+    }
+    return only >= 0 ? 1 : kBatches;
+  }, out, rounds);
+}
+"""
+
 
 def isa_constants(unit: str) -> dict[str, str]:
     """The `constexpr int/bool kName = value` constants of custom_ops/isa_<unit>.cc, as written there."""
@@ -189,10 +243,9 @@ def constants(unit: str, overrides: list[str]) -> str:
     return " ".join(f"constexpr {'bool' if v in ('true', 'false') else 'int'} {k} = {v};" for k, v in values.items())
 
 
-def kernel_file(kernel: str, rev: str | None, work: Path, tag: str) -> Path:
-    """kern_<kernel>.inc of the worktree, or of git revision `rev` (written into `work`/`tag`, with the
+def kernel_file(name: str, rev: str | None, work: Path, tag: str) -> Path:
+    """custom_ops/`name` of the worktree, or of git revision `rev` (written into `work`/`tag`, with the
     kern_*.inc files it includes from the same revision, which the compiler then finds beside it)."""
-    name = f"kern_{kernel}.inc"
     if rev is None:
         return SOURCES / name
     folder = work / tag
@@ -207,13 +260,19 @@ def kernel_file(kernel: str, rev: str | None, work: Path, tag: str) -> Path:
     return folder / name
 
 
+def includes(kernel: str, rev: str | None, work: Path, tag: str) -> str:
+    """The #include lines of one version: the kernel's file, after kern_linear.inc for moe (which calls it)."""
+    names = ["kern_linear.inc", "kern_moe.inc"] if kernel == "moe" else [f"kern_{kernel}.inc"]
+    return "".join(f'#include "{kernel_file(name, rev, work, tag)}"\n' for name in names)
+
+
 def label(rev: str | None, overrides: list[str]) -> str:
     return " ".join([rev or "worktree", *overrides])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kernel", choices=["attention", "linear"])
+    p.add_argument("kernel", choices=["attention", "linear", "moe"])
     p.add_argument("--isa", choices=sorted(TARGETS), default="avx512")
     p.add_argument("--a-rev", help="git revision whose kernel file is A (default: the worktree's)")
     p.add_argument("--b-rev", help="the same for B")
@@ -226,13 +285,18 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=1, help="attention: caches cycled per round (default 1)")
-    p.add_argument("--rows", type=int, default=1, help="linear: activation rows (default 1: a GEMV)")
+    p.add_argument("--rows", type=int, default=1, help="linear: activation rows (default 1: a GEMV); moe: tokens")
     p.add_argument("--k", type=int, default=1024, help="linear: input features (default 1024)")
     p.add_argument("--n", type=int, default=6144, help="linear: output features (default 6144)")
     p.add_argument("--format", choices=list(FORMATS), default="int4", help="linear: packed weight format")
     p.add_argument("--cycle-mb", type=int, default=256,
                    help="linear: copies of the weights cycled to make this many MB (default 256: every weight read "
                         "from DRAM; 0: one copy, in cache when it fits)")
+    p.add_argument("--hidden", type=int, default=2560, help="moe: hidden size (default: ERNIE-4.5-21B-A3B's, as below)")
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=6)
+    p.add_argument("--inter", type=int, default=1536, help="moe: an expert's intermediate size")
+    p.add_argument("--shared-inter", type=int, default=3072, help="moe: the shared MLP's intermediate size (0: none)")
     args = p.parse_args()
     if args.kernel == "attention" and (args.tokens > args.ctx or args.heads % args.kv_heads or args.head_dim % 16):
         raise SystemExit("attention needs tokens <= ctx, heads a multiple of kv-heads and head-dim a multiple of 16")
@@ -242,6 +306,12 @@ def main() -> None:
         what = (f"ctx {args.ctx}, {args.tokens} new tokens, {args.heads} / {args.kv_heads} heads x {args.head_dim}, "
                 f"{args.layers} layer(s) cycled")
         driver, arg_type = ATTENTION_DRIVER, "AttentionArgs"
+    elif args.kernel == "moe":
+        shape = [args.rows, args.hidden, args.inter, args.experts, args.top_k, args.shared_inter, FORMATS[args.format],
+                 args.rounds, level]
+        what = (f"{args.rows} tokens, hidden {args.hidden}, {args.experts} experts top-{args.top_k} x {args.inter}, "
+                f"shared {args.shared_inter}, {args.format}")
+        driver, arg_type = MOE_DRIVER, "MoeArgs"
     else:
         shape = [args.rows, args.k, args.n, FORMATS[args.format], args.rounds, level, args.cycle_mb]
         what = f"{args.rows} x {args.k} @ {args.k} x {args.n} {args.format}"
@@ -250,7 +320,7 @@ def main() -> None:
         work = Path(tmp)
         (work / "kernels.cc").write_text(KERNELS.format(
             target=target_lines(unit), consts_a=constants(unit, args.a_const), consts_b=constants(unit, args.b_const),
-            inc_a=kernel_file(args.kernel, args.a_rev, work, "a"), inc_b=kernel_file(args.kernel, args.b_rev, work, "b"),
+            incs_a=includes(args.kernel, args.a_rev, work, "a"), incs_b=includes(args.kernel, args.b_rev, work, "b"),
             args=arg_type, function=args.kernel))
         (work / "driver.cc").write_text(driver)
         exe = work / "kernel_ab"

@@ -184,6 +184,20 @@ def test_token_output_does_not_depend_on_batch_or_threads(fmt, experts, top_k):
             ops.set_isa("best")
 
 
+def test_long_batch_runs_in_token_chunks_with_the_same_bits():
+    """At hidden 2048 and top-8 the op holds the expert outputs of 512 tokens at once (32 MB): 600 tokens run
+    as two chunks, each token's output as it is alone."""
+    rng = np.random.default_rng(13)
+    layer = make_layer(rng, 2048, 32, 8, "int8", shared_inter=32)
+    x = paddle.to_tensor(rng.standard_normal((600, 2048), dtype=np.float32))
+    batch, ids, _ = run(ops.fused_moe, x, layer, 8)
+    batch = batch.numpy()
+    for lo, hi in ((0, 1), (510, 514), (599, 600)):
+        out, part_ids, _ = run(ops.fused_moe, x[lo:hi].contiguous(), layer, 8)
+        np.testing.assert_array_equal(out.numpy(), batch[lo:hi])
+        np.testing.assert_array_equal(part_ids.numpy(), ids.numpy()[lo:hi])
+
+
 def test_fused_moe_rejects_bad_arguments():
     rng = np.random.default_rng(1)
     layer = make_layer(rng, 64, 32, 8, "int8", local=4, shared_inter=32)
