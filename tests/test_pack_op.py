@@ -208,6 +208,29 @@ def test_empty_packed_leaves_the_bulk_unallocated():
     del dst
 
 
+def test_packed_weights_are_backed_by_huge_pages_where_the_kernel_offers_them():
+    """empty_packed asks for transparent huge pages before anything is written; with THP "never" the memory
+    simply stays in 4 KiB pages."""
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        offered = "[never]" not in f.read()
+    dst = ops.empty_packed("int8", 8192, 8192)  # 64 MiB: its own mapping (malloc maps anything over 32 MiB)
+    lo = dst.data.data_ptr()
+    hi = lo + 8192 * 8192
+    numpy_view(dst.data)[...] = 1
+    huge_kb = 0  # over the mappings that hold the weight (madvise splits its mapping at 2 MiB boundaries)
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(v, 16) for v in head.split("-"))
+                inside = start < hi and lo < end
+            elif inside and head == "AnonHugePages:":
+                huge_kb += int(line.split()[1])
+    assert (huge_kb >= 32 << 10) if offered else huge_kb == 0, huge_kb
+    del dst
+
+
 def test_bad_arguments_name_the_parameter():
     dst = ops.empty_packed("int8", 8, 20)
     stacked = ops.empty_packed("int4", 8, 20, experts=2)

@@ -21,6 +21,7 @@ leading expert axis to data and (int8/int4) scales. `unpack_weight` inverts pack
 from __future__ import annotations
 
 import ctypes
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -204,6 +205,21 @@ def numpy_view(t: paddle.Tensor) -> np.ndarray:
     return np.frombuffer(buf, dtype=_NUMPY_DTYPES[t.dtype]).reshape(t.shape)
 
 
+_HUGE_PAGE = 2 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def advise_huge_pages(t: paddle.Tensor) -> None:
+    """Ask the OS to back the whole 2 MiB pages inside a CPU tensor's untouched memory with transparent huge
+    pages (where the kernel offers them on request). Weights stream through the kernels: with 4 KiB pages
+    every 4 KiB of a stream is a TLB miss (kernel_ab.py moe, Zen 4: 0.86-0.97x the time with huge pages)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (t.data_ptr() + int(np.prod(t.shape)) * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if advice is not None and end > start:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)  # a refusal changes nothing
+
+
 def empty_packed(fmt: str, k: int, n: int, experts: int = 0) -> PackedWeight:
     """Uninitialised destination for pack_into: [k, n] packed as `fmt`, or `experts` of them stacked
     [E, ...] (experts > 0). Only the padding columns n .. Np*16 - 1 are written (with what packing
@@ -217,6 +233,7 @@ def empty_packed(fmt: str, k: int, n: int, experts: int = 0) -> PackedWeight:
     shape, dtype, scales_shape = packed_shapes(fmt, k, n)
     lead = [experts] if experts else []
     data = paddle.empty(lead + shape, dtype=dtype)
+    advise_huge_pages(data)
     scales = paddle.empty(lead + scales_shape, dtype="float32") if scales_shape else paddle.zeros([1], "float32")
     jn = n - (shape[0] - 1) * PANEL  # valid columns of the last panel
     if jn < PANEL:
