@@ -206,7 +206,7 @@ def numpy_view(t: paddle.Tensor) -> np.ndarray:
 
 
 _HUGE_PAGE = 2 << 20
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = ctypes.CDLL(None)
 
 
 def advise_huge_pages(t: paddle.Tensor) -> None:
