@@ -105,6 +105,17 @@ HEADER = r"""#include <algorithm>
 #include <random>
 #include <vector>
 #include "fd_kernels.h"
+// Bytes of one packed [K, N] weight and floats of its scales (fastdeploy/ops/quant.py's layouts).
+struct PackedSize {
+  int64_t bytes, scales;
+};
+static PackedSize packed_size(int fmt, int64_t K, int64_t N) {
+  const int64_t Np = (N + fd::kPanel - 1) / fd::kPanel;
+  const int64_t block = fmt == fd::kInt8 ? fd::kActBlock : fmt == fd::kInt4 ? fd::kInt4Group : 1;
+  const int64_t Kp = (K + block - 1) / block * block;
+  return {fmt == fd::kFp32 ? Np * K * 64 : fmt == fd::kBf16 ? Np * K * 32 : Np * Kp * (fmt == fd::kInt8 ? 16 : 8),
+          fmt == fd::kInt8 ? Np * 16 : fmt == fd::kInt4 ? Np * (Kp / fd::kInt4Group) * 16 : 0};
+}
 """
 
 ATTENTION_DRIVER = HEADER + "void run_kernel(int version, const fd::AttentionArgs& a);\n" + TIMING + r"""
@@ -143,11 +154,7 @@ int main(int argc, char** argv) {
   const int64_t T = atoll(argv[1]), K = atoll(argv[2]), N = atoll(argv[3]), rounds = atoll(argv[5]);
   const int fmt = atoi(argv[4]);
   fd::set_active_isa(atoi(argv[6]));
-  const int64_t Np = (N + fd::kPanel - 1) / fd::kPanel;
-  const int64_t block = fmt == fd::kInt8 ? fd::kActBlock : fmt == fd::kInt4 ? fd::kInt4Group : 1;
-  const int64_t Kp = (K + block - 1) / block * block;
-  const int64_t bytes = fmt == fd::kFp32 ? Np * K * 64 : fmt == fd::kBf16 ? Np * K * 32 : Np * Kp * (fmt == fd::kInt8 ? 16 : 8);
-  const int64_t nscales = fmt == fd::kInt8 ? Np * 16 : fmt == fd::kInt4 ? Np * (Kp / fd::kInt4Group) * 16 : 0;
+  const auto [bytes, nscales] = packed_size(fmt, K, N);
   const int64_t copies = std::max<int64_t>(1, (atoll(argv[7]) << 20) / bytes);
   std::mt19937 rng(0);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -178,11 +185,8 @@ struct Stacked {
   fd::MoeWeight w;
 };
 static Stacked stacked(int64_t E, int64_t K, int64_t N, int fmt, std::mt19937& rng) {
-  const int64_t Np = (N + fd::kPanel - 1) / fd::kPanel;
-  const int64_t block = fmt == fd::kInt8 ? fd::kActBlock : fmt == fd::kInt4 ? fd::kInt4Group : 1;
-  const int64_t Kp = (K + block - 1) / block * block;
-  const int64_t bytes = fmt == fd::kFp32 ? Np * K * 64 : fmt == fd::kBf16 ? Np * K * 32 : Np * Kp * (fmt == fd::kInt8 ? 16 : 8);
-  const int64_t ns = fmt == fd::kInt8 ? Np * 16 : fmt == fd::kInt4 ? Np * (Kp / fd::kInt4Group) * 16 : 1;
+  const auto [bytes, nscales] = packed_size(fmt, K, N);
+  const int64_t ns = nscales > 0 ? nscales : 1;
   std::normal_distribution<float> normal(0.0f, 0.02f);
   std::vector<float> src(K * N);
   for (auto& v : src) v = normal(rng);
