@@ -104,7 +104,15 @@ HEADER = r"""#include <algorithm>
 #include <cstdlib>
 #include <random>
 #include <vector>
+#include <sys/mman.h>
 #include "fd_kernels.h"
+// Weights in transparent huge pages, as the engine packs them (fastdeploy/ops/quant.py, empty_packed).
+static void* weight_memory(int64_t bytes) {
+  const int64_t huge = 2 << 20, size = (bytes + huge - 1) / huge * huge;
+  void* p = std::aligned_alloc(huge, size);
+  madvise(p, size, MADV_HUGEPAGE);
+  return p;
+}
 // Bytes of one packed [K, N] weight and floats of its scales (fastdeploy/ops/quant.py's layouts).
 struct PackedSize {
   int64_t bytes, scales;
@@ -164,7 +172,7 @@ int main(int argc, char** argv) {
   std::vector<void*> weights(copies);
   std::vector<std::vector<float>> scales(copies, std::vector<float>(nscales));
   for (int64_t c = 0; c < copies; ++c) {
-    weights[c] = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    weights[c] = weight_memory(bytes);
     fd::active_kernels()->pack(fd::PackArgs{src.data(), fd::kSrcF32, K, N, N, 1, fmt, weights[c], scales[c].data(), N, 0});
   }
   std::printf("%lld copies of %.1f MB cycled\n", static_cast<long long>(copies), bytes / 1e6);
@@ -180,7 +188,7 @@ MOE_DRIVER = HEADER + "void run_kernel(int version, const fd::MoeArgs& a);\n" + 
 // E experts' packed weights, each its own memory: a different batch of tokens per call picks other experts,
 // read from DRAM as in a model (E x an expert's bytes is far larger than the caches).
 struct Stacked {
-  std::vector<uint8_t> data;
+  uint8_t* data;
   std::vector<float> scales;
   fd::MoeWeight w;
 };
@@ -190,11 +198,11 @@ static Stacked stacked(int64_t E, int64_t K, int64_t N, int fmt, std::mt19937& r
   std::normal_distribution<float> normal(0.0f, 0.02f);
   std::vector<float> src(K * N);
   for (auto& v : src) v = normal(rng);
-  Stacked s{std::vector<uint8_t>(E * bytes), std::vector<float>(E * ns), {}};
+  Stacked s{static_cast<uint8_t*>(weight_memory(E * bytes)), std::vector<float>(E * ns), {}};
   for (int64_t e = 0; e < E; ++e)
-    fd::active_kernels()->pack(fd::PackArgs{src.data(), fd::kSrcF32, K, N, N, 1, fmt, s.data.data() + e * bytes,
+    fd::active_kernels()->pack(fd::PackArgs{src.data(), fd::kSrcF32, K, N, N, 1, fmt, s.data + e * bytes,
                                             s.scales.data() + e * ns, N, 0});
-  s.w = fd::MoeWeight{s.data.data(), s.scales.data(), bytes, ns, K, N, fmt};
+  s.w = fd::MoeWeight{s.data, s.scales.data(), bytes, ns, K, N, fmt};
   return s;
 }
 int main(int argc, char** argv) {
