@@ -300,7 +300,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1, help="linear: activation rows (default 1: a GEMV); moe: tokens")
     p.add_argument("--k", type=int, default=1024, help="linear: input features (default 1024)")
     p.add_argument("--n", type=int, default=6144, help="linear: output features (default 6144)")
-    p.add_argument("--format", choices=list(FORMATS), default="int4", help="linear: packed weight format")
+    p.add_argument("--format", choices=list(FORMATS), default="int4", help="linear and moe: packed weight format")
     p.add_argument("--cycle-mb", type=int, default=256,
                    help="linear: copies of the weights cycled to make this many MB (default 256: every weight read "
                         "from DRAM; 0: one copy, in cache when it fits)")
