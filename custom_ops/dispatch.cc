@@ -65,7 +65,7 @@ void* scratch(int slot, int64_t bytes) {
     int64_t size = 0;
     ~Buffer() { std::free(p); }
   };
-  constexpr int kSlots = 17;  // 0-7: other kernels; 8-13: moe; 14-15: attention's calling thread; 16: linear items
+  constexpr int kSlots = 18;  // 0-7: other kernels; 8-13, 17: moe; 14-15: attention's calling thread; 16: linear items
   thread_local Buffer buffers[kSlots];
   Buffer& b = buffers[slot];
   if (b.size < bytes) {
