@@ -7,7 +7,9 @@
 // ctypes releases the GIL for the call.
 #include <algorithm>
 #include <chrono>
+#include <cstdarg>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -154,21 +156,115 @@ int64_t carve(const StepModel& m, int64_t T, int64_t B, int64_t R, float* base, 
   return c.used;
 }
 
+// Why the last fd_decoder_step call on this thread returned 1 (fd_step_error).
+thread_local char g_error[512];
+
+bool fail(const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(g_error, sizeof(g_error), fmt, args);
+  va_end(args);
+  return false;
+}
+
+// A weight the step multiplies by: present, a known format (int formats with scales), [K, N] as expected.
+bool check_weight(const MoeWeight& w, const char* name, int64_t layer, int64_t K, int64_t N) {
+  if (w.w == nullptr) return fail("layer %lld: %s is missing", (long long)layer, name);
+  if (w.fmt < kFp32 || w.fmt > kInt4 || ((w.fmt == kInt8 || w.fmt == kInt4) && w.scales == nullptr))
+    return fail("layer %lld: %s has format %d without what it needs", (long long)layer, name, w.fmt);
+  if (w.K != K || (N >= 0 && w.N != N) || w.N <= 0)
+    return fail("layer %lld: %s is [%lld, %lld], expected [%lld, %lld]", (long long)layer, name, (long long)w.K,
+                (long long)w.N, (long long)K, (long long)N);
+  return true;
+}
+
+// The compiled step's shape contract on the model: every size the buffers (carve) and kernels are sized from
+// agrees with every weight's. Checked at each call, before any work (a few comparisons per layer).
+bool check_model(const StepModel& m) {
+  const int64_t H = m.hidden, D = m.head_dim;
+  if (m.layers == nullptr || m.num_layers < 1 || H < 1 || m.heads < 1 || m.kv_heads < 1 || m.heads % m.kv_heads)
+    return fail("model: %lld layers, hidden %lld, %lld heads over %lld kv heads (need >= 1 each, heads a multiple "
+                "of kv heads)", (long long)m.num_layers, (long long)H, (long long)m.heads, (long long)m.kv_heads);
+  if (D < 2 || D % 2) return fail("model: head_dim %lld must be even and >= 2 (rotary pairs)", (long long)D);
+  if (m.block_size < 1 || m.cache_slots < m.block_size || m.cache_slots % m.block_size)
+    return fail("model: %lld cache slots in blocks of %lld", (long long)m.cache_slots, (long long)m.block_size);
+  if (m.cache_kind < kCacheF32 || m.cache_kind > kCacheFp8) return fail("model: cache kind %d", m.cache_kind);
+  if (m.max_positions < 1 || m.cos_table == nullptr || m.sin_table == nullptr || m.final_norm == nullptr)
+    return fail("model: rotary tables or final norm missing");
+  if (!check_weight(m.embedding, "the embedding", -1, H, -1) || !check_weight(m.lm_head, "the LM head", -1, H, -1))
+    return false;
+  const int64_t QD = m.heads * D, KD = m.kv_heads * D;
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    const StepLayer& L = m.layers[l];
+    if (L.input_norm == nullptr || L.post_norm == nullptr || L.kv_cache == nullptr ||
+        (L.q_norm == nullptr) != (L.k_norm == nullptr))
+      return fail("layer %lld: a norm or the KV cache is missing", (long long)l);
+    if (!check_weight(L.qkv, "qkv", l, H, QD + 2 * KD) || !check_weight(L.o, "o_proj", l, QD, H)) return false;
+    if (L.router.w == nullptr) {  // dense MLP: its width sizes the ug / act buffers (max_ffn)
+      const int64_t F = L.down.K;
+      if (F < 1 || F > m.max_ffn) return fail("layer %lld: FFN %lld outside [1, %lld]", (long long)l, (long long)F,
+                                              (long long)m.max_ffn);
+      if (!check_weight(L.up_gate, "up_gate", l, H, 2 * F) || !check_weight(L.down, "down", l, F, H)) return false;
+      continue;
+    }
+    const int64_t E = L.num_experts, I = L.experts_down.K;
+    if (E < 1 || L.top_k < 1 || L.top_k > E || L.top_k > m.max_top_k || L.expert_start < 0 || L.local_experts < 1 ||
+        L.expert_start + L.local_experts > E)
+      return fail("layer %lld: top-%lld of %lld experts (%lld from %lld here; buffers for top-%lld)", (long long)l,
+                  (long long)L.top_k, (long long)E, (long long)L.local_experts, (long long)L.expert_start,
+                  (long long)m.max_top_k);
+    if (!check_weight(L.router, "the router", l, H, E)) return false;
+    if (L.router.fmt != kFp32 && L.router.fmt != kBf16) return fail("layer %lld: the router is not fp32 or bf16",
+                                                                    (long long)l);
+    if (I < 1 || !check_weight(L.experts_up_gate, "experts' up_gate", l, H, 2 * I) ||
+        !check_weight(L.experts_down, "experts' down", l, I, H))
+      return g_error[0] != '\0' ? false : fail("layer %lld: expert FFN %lld", (long long)l, (long long)I);
+    if (L.shared_up_gate.w != nullptr &&
+        (!check_weight(L.shared_down, "shared experts' down", l, L.shared_down.K, H) ||
+         !check_weight(L.shared_up_gate, "shared experts' up_gate", l, H, 2 * L.shared_down.K)))
+      return false;
+  }
+  return true;
+}
+
+// The batch against the model: token ids, positions and logit rows in range, lengths that add up.
+bool check_batch(const StepModel& m, const StepBatch& s) {
+  if (s.T < 1 || s.B < 1 || s.R < 0 || s.max_blocks < 1 || s.ids == nullptr || s.positions == nullptr ||
+      s.q_lens == nullptr || s.ctx_lens == nullptr || s.blocks == nullptr || (s.R > 0 && (s.logit_rows == nullptr ||
+      s.logits == nullptr)))
+    return fail("batch: %lld tokens, %lld requests, %lld logit rows, %lld blocks per table", (long long)s.T,
+                (long long)s.B, (long long)s.R, (long long)s.max_blocks);
+  for (int64_t t = 0; t < s.T; ++t) {
+    if (s.positions[t] < 0 || s.positions[t] >= m.max_positions)
+      return fail("batch: position %lld outside [0, %lld)", (long long)s.positions[t], (long long)m.max_positions);
+    if (s.ids[t] < 0 || s.ids[t] >= m.embedding.N)
+      return fail("batch: token id %lld outside [0, %lld)", (long long)s.ids[t], (long long)m.embedding.N);
+  }
+  for (int64_t r = 0; r < s.R; ++r)
+    if (s.logit_rows[r] < 0 || s.logit_rows[r] >= s.T)
+      return fail("batch: logit row %lld outside [0, %lld)", (long long)s.logit_rows[r], (long long)s.T);
+  return true;
+}
+
 // Query starts and the cache slot of every new token (its context position through its request's block
 // table); false when the lengths do not add up to T or a slot falls outside the cache.
 bool cache_slots(const StepModel& m, const StepBatch& s, int64_t* q_start, int64_t* slots) {
   q_start[0] = 0;
   for (int64_t b = 0; b < s.B; ++b) {
     const int64_t q = s.q_lens[b], ctx = s.ctx_lens[b];
-    if (q < 0 || ctx < q || ctx > s.max_blocks * m.block_size || q_start[b] + q > s.T) return false;
+    if (q < 0 || ctx < q || ctx > s.max_blocks * m.block_size || q_start[b] + q > s.T)
+      return fail("batch: request %lld has %lld new tokens of %lld in context (tables of %lld blocks)", (long long)b,
+                  (long long)q, (long long)ctx, (long long)s.max_blocks);
     for (int64_t p = ctx - q; p < ctx; ++p) {
       const int64_t block = s.blocks[b * s.max_blocks + p / m.block_size];
-      if (block < 0 || (block + 1) * m.block_size > m.cache_slots) return false;
+      if (block < 0 || (block + 1) * m.block_size > m.cache_slots)
+        return fail("batch: request %lld's block %lld is not a cache block", (long long)b, (long long)block);
       slots[q_start[b] + p - (ctx - q)] = block * m.block_size + p % m.block_size;
     }
     q_start[b + 1] = q_start[b] + q;
   }
-  return q_start[s.B] == s.T;
+  return q_start[s.B] == s.T || fail("batch: query lengths add up to %lld, not %lld", (long long)q_start[s.B],
+                                     (long long)s.T);
 }
 
 // The rows the last layer carries past its K/V: per request, its new tokens from its first logit row on (a
@@ -276,22 +372,23 @@ extern "C" __attribute__((visibility("default"))) void fd_step_workspace_free(vo
   delete static_cast<fd::Workspace*>(ws);
 }
 
-// Returns 0 on success, 1 for bad arguments, 2 when no kernels can run here.
+// Why the last call on this thread returned 1.
+extern "C" __attribute__((visibility("default"))) const char* fd_step_error() { return fd::g_error; }
+
+// Returns 0 on success, 1 for arguments outside the step's contract (fd_step_error says which), 2 when no
+// kernels can run here. Everything is checked before anything is written.
 extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::StepModel* mp, const fd::StepBatch* sp,
                                                                       void* workspace) {
   using namespace fd;
-  if (mp == nullptr || sp == nullptr || workspace == nullptr) return 1;
+  g_error[0] = '\0';
+  if (mp == nullptr || sp == nullptr || workspace == nullptr) return fail("null model, batch or workspace"), 1;
   const StepModel& m = *mp;
   const StepBatch& s = *sp;
   const KernelTable* ktp = active_kernels();
   if (ktp == nullptr) return 2;
   const KernelTable& kt = *ktp;
   const int64_t T = s.T, H = m.hidden, half = m.head_dim / 2;
-  if (T <= 0 || s.B <= 0 || s.R < 0) return 1;
-  for (int64_t t = 0; t < T; ++t)
-    if (s.positions[t] < 0 || s.positions[t] >= m.max_positions || s.ids[t] < 0 || s.ids[t] >= m.embedding.N) return 1;
-  for (int64_t r = 0; r < s.R; ++r)
-    if (s.logit_rows[r] < 0 || s.logit_rows[r] >= T) return 1;
+  if (!check_model(m) || !check_batch(m, s)) return 1;
 
   Workspace& ws = *static_cast<Workspace*>(workspace);
   Clock clock{ws.seconds};

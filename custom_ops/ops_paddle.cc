@@ -28,7 +28,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& q, const paddle
   PD_CHECK(v.shape() == ks, "v must have k's shape");
   const int64_t T = qs[0], H = qs[1], D = qs[2], KVH = ks[1];
   PD_CHECK(KVH > 0 && H % KVH == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", KVH, ")");
-  PD_CHECK(D % 16 == 0, "head_dim must be a multiple of 16, got ", D);
+  PD_CHECK(D > 0 && H > 0, "head_dim and num_heads must be > 0, got ", D, " and ", H);
   PD_CHECK(block_size > 0, "block_size must be > 0, got ", block_size);
   const int64_t row = cache_kind == fd::kCacheFp8 ? D + fd::kFp8ScaleBytes : D;
   PD_CHECK(cs.size() == 5 && cs[0] == 2 && cs[2] == KVH && cs[3] == block_size && cs[4] == row,

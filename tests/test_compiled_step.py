@@ -197,19 +197,56 @@ def test_bad_batch_is_a_clear_error() -> None:
     cfg = model.config
     kv = allocate_kv_caches(cfg.num_hidden_layers, 4, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
     compiled = CompiledDecoder.build(model, kv, BLOCK, MAX_LEN)
-    for ids, positions, rows in (([cfg.vocab_size], [0], [0]), ([1], [MAX_LEN], [0]), ([1], [0], [1])):
+    for ids, positions, rows, what in (([cfg.vocab_size], [0], [0], "token id"), ([1], [MAX_LEN], [0], "position"),
+                                       ([1], [0], [1], "logit row")):
         batch = ForwardBatch(np.asarray(ids, np.int64), np.asarray(positions, np.int64), [1], [1], [[0]],
                              np.asarray(rows, np.int64))
-        with pytest.raises(ValueError, match="out of range"):
+        with pytest.raises(ValueError, match=what):
             compiled.forward(batch)
     # The step derives the cache slots: a block outside the 4-block cache, a table too short for the
     # context, query lengths that do not add up to the tokens, more new tokens than context.
-    for query_lens, context_lens, tables in (([1], [1], [[4]]), ([1], [BLOCK + 1], [[0]]), ([2], [2], [[0]]),
-                                             ([1, 1], [1, 0], [[0], [1]])):
+    for query_lens, context_lens, tables, what in (([1], [1], [[4]], "not a cache block"),
+                                                   ([1], [BLOCK + 1], [[0]], "new tokens"),
+                                                   ([2], [2], [[0]], "new tokens"),
+                                                   ([1, 1], [1, 0], [[0], [1]], "new tokens")):
         batch = ForwardBatch(np.ones(1, np.int64), np.zeros(1, np.int64), query_lens, context_lens, tables,
                              np.zeros(1, np.int64))
-        with pytest.raises(ValueError, match="out of range"):
+        with pytest.raises(ValueError, match=what):
             compiled.forward(batch)
+
+
+@pytest.mark.parametrize("name", ["qwen3_tiny", "ernie45_moe_tiny_hf"])
+def test_model_outside_the_step_contract_is_refused_before_any_work(name: str) -> None:
+    """The step checks its model description at every call: a size its buffers are carved from that disagrees
+    with a weight's is an error naming it, and nothing (the KV cache here) is written."""
+    model = load_model(ModelConfig.from_pretrained(MODELS / name))
+    cfg = model.config
+    kv = allocate_kv_caches(cfg.num_hidden_layers, 4, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    for c in kv:
+        c.fill_(0.0)
+    compiled = CompiledDecoder.build(model, kv, BLOCK, MAX_LEN)
+    batch = ForwardBatch(np.ones(3, np.int64), np.arange(3, dtype=np.int64), [3], [3], [[0]], np.asarray([2]))
+    m, layer = compiled._model, compiled._layers[1]
+    moe = layer.router.w is not None
+    changes = [(m, "head_dim", cfg.head_dim + 1, "head_dim"), (m, "head_dim", cfg.head_dim // 2, "qkv"),
+               (m, "kv_heads", 3, "kv heads"), (m, "hidden", cfg.hidden_size + 16, "embedding"),
+               (m, "cache_slots", 4 * BLOCK + 1, "cache slots"), (m, "cache_kind", 7, "cache kind"),
+               (layer.o, "K", 8, "o_proj"), (layer.qkv, "fmt", 9, "qkv")]
+    if moe:
+        changes += [(m, "max_top_k", layer.top_k - 1, "top-"), (layer, "expert_start", 1, "experts"),
+                    (layer.router, "N", layer.num_experts + 1, "router")]
+    else:
+        changes += [(m, "max_ffn", layer.down.K - 1, "FFN"), (layer.up_gate, "N", layer.down.K, "up_gate")]
+    for struct, field, value, what in changes:
+        kept = getattr(struct, field)
+        setattr(struct, field, value)
+        try:
+            with pytest.raises(ValueError, match=what):
+                compiled.forward(batch)
+        finally:
+            setattr(struct, field, kept)
+    assert all(not c.astype("float32").numpy().any() for c in kv)
+    assert compiled.forward(batch).shape == [1, cfg.vocab_size]
 
 
 def test_used_by_the_runner_and_not_under_tensor_parallel() -> None:

@@ -106,6 +106,15 @@ ATTENTION_CASES = [
     (16, 2, 128, 64, [1], [2600]),  # one long decode: its kv heads shared out to the threads
     (16, 1, 128, 64, [1], [2600]),  # one kv head (fewer than threads): its 512-position spans shared out
     (16, 2, 128, 64, [1, 24], [2600, 1040]),  # long contexts in a batch, a prefill chunk across a span edge
+    # head_dims that are no multiple of 16: the register blocks work on zero-padded rows
+    (4, 2, 8, 16, [3, 1], [3, 18]),
+    (4, 4, 4, 16, [5, 1], [21, 40]),
+    (4, 2, 20, 16, [1, 12], [40, 12]),
+    (6, 3, 40, 24, [1, 30, 2], [50, 30, 77]),  # and a block size that is no multiple of 16
+    (8, 1, 72, 16, [1, 20], [33, 20]),  # GQA 8: wide register blocks
+    (14, 2, 264, 16, [1, 17], [45, 17]),
+    (16, 1, 40, 64, [1], [2600]),  # one kv head: spans shared out and folded
+    (16, 2, 104, 64, [1, 24], [2600, 1040]),
 ]
 
 
@@ -180,13 +189,13 @@ def assert_batch_invariant(batch, run) -> np.ndarray:
     return together
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("kv_heads,head_dim", [(2, 128), (1, 128), (1, 40)])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_long_contexts_do_not_depend_on_the_batch(cache_dtype, kv_heads):
+def test_long_contexts_do_not_depend_on_the_batch(cache_dtype, kv_heads, head_dim):
     """Contexts of several spans: alone (a lone decode splits its kv heads between the threads, or with one
     kv head runs its spans as separate work items, folded afterwards), together (each item folds its spans
     itself) or on one thread, the same bits."""
-    batch = make_batch(np.random.default_rng(8), 16, kv_heads, 128, 64, [1, 24, 1], [2600, 1040, 3100])
+    batch = make_batch(np.random.default_rng(8), 16, kv_heads, head_dim, 64, [1, 24, 1], [2600, 1040, 3100])
     assert_batch_invariant(batch, functools.partial(run_attention, cache_dtype=cache_dtype))
 
 
@@ -222,16 +231,6 @@ def test_paged_attention_rejects_bad_input():
         run_attention(dict(batch, meta=batch["meta"][:2] + [np.array([0]), batch["meta"][3]]))
     with pytest.raises(ValueError, match=r"kv_cache must be \[2, num_blocks, KVH, block_size, D\]"):
         run_attention(dict(batch, cache=batch["cache"].transpose(0, 1, 3, 2, 4).copy()))  # slot-major blocks
-
-
-def test_paged_attention_head_dim_not_multiple_of_16_uses_reference(caplog):
-    rng = np.random.default_rng(1)
-    batch = make_batch(rng, 4, 2, 40, 16, [3, 1], [3, 18])
-    with caplog.at_level(logging.WARNING, logger="fastdeploy.ops.attention"):
-        out, _ = run_attention(batch)
-    ref, _ = run_attention(batch, ops.paged_attention_reference)
-    assert_close(out, ref, 1e-6)
-    assert "head_dim % 16" in caplog.text
 
 
 # ---------------------------------------------------------------- norm, activation, rotary

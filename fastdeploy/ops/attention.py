@@ -13,8 +13,6 @@ does; on CPUs with AVX512_BF16 the kernel uses one). A uint8 cache holds block_w
 """
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -22,8 +20,6 @@ import paddle.nn.functional as F
 from fastdeploy.ops.build import call_op, compiled
 from fastdeploy.ops.kv_cache import dequantize_fp8_rows, quantize_fp8_rows
 
-logger = logging.getLogger(__name__)
-_warned_head_dims: set[int] = set()
 
 
 def paged_attention_reference(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, kv_cache: paddle.Tensor,
@@ -102,13 +98,6 @@ def paged_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, kv_cac
     slot_mapping [T], query_start_loc [B + 1], context_lens [B], block_tables [B, max_blocks] (int32 or
     int64). Writes k/v into kv_cache in place and returns the attention output [T, H * D]."""
     lib = compiled(use_compiled)
-    head_dim = q.shape[-1]
-    if lib is not None and head_dim % 16:
-        if head_dim not in _warned_head_dims:
-            _warned_head_dims.add(head_dim)
-            logger.warning("compiled paged attention needs head_dim %% 16 == 0 (got %d): using the reference",
-                           head_dim)
-        lib = None
     if lib is None:
         return paged_attention_reference(q, k, v, kv_cache, slot_mapping, query_start_loc, context_lens,
                                          block_tables, block_size, scale)
@@ -150,7 +139,7 @@ def bidirectional_attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor
     if starts.ndim != 1 or starts.size < 1 or starts[0] != 0 or starts[-1] != q.shape[0] or np.any(np.diff(starts) < 0):
         raise ValueError(f"starts must rise from 0 to T = {q.shape[0]}, got {starts.tolist()[:8]}...")
     lib = compiled(use_compiled)
-    if lib is None or q.shape[-1] % 16:
+    if lib is None:
         return bidirectional_attention_reference(q, k, v, starts, scale)
     lens = np.diff(starts)
     width = max(int(lens.max(initial=0)), 1)

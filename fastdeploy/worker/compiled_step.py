@@ -168,6 +168,8 @@ class CompiledDecoder:
         new.restype, self._free.argtypes = _ptr, [_ptr]
         self._phases = self._dll.fd_step_phase_seconds
         self._phases.argtypes = [_ptr, _ptr]
+        self._error = self._dll.fd_step_error
+        self._error.restype = ctypes.c_char_p
         self._workspace = new()
         self._kept: tuple[tuple[Any, ...], _Batch] | None = None  # the last batch's arrays and _Batch
 
@@ -245,8 +247,8 @@ class CompiledDecoder:
             sample_offsets
         rc = self._step(ctypes.byref(self._model), ctypes.byref(batch), self._workspace)
         if rc != 0:
-            raise ValueError(f"fd_decoder_step rejected the batch (code {rc}): a token id, position, logit row, "
-                             f"query length or block is out of range")
+            raise ValueError(f"the compiled step refused its arguments: {self._error().decode()}" if rc == 1 else
+                             "the compiled step cannot run: this CPU has neither AVX2+FMA nor AVX-512")
 
     def _batch(self, inputs: ForwardBatch) -> _Batch:
         """The batch as the library takes it (it derives query starts and cache slots itself: at one stream
