@@ -247,6 +247,10 @@ def test_model_outside_the_step_contract_is_refused_before_any_work(name: str) -
             setattr(struct, field, kept)
     assert all(not c.astype("float32").numpy().any() for c in kv)
     assert compiled.forward(batch).shape == [1, cfg.vocab_size]
+    # and the caches it is given must be the ones it will read: one per layer, [2, blocks, KVH, BLOCK, D]
+    for caches, block in ((kv[:-1], BLOCK), (kv, 2 * BLOCK), (kv[:-1] + [kv[-1].astype("bfloat16")], BLOCK)):
+        with pytest.raises(ValueError, match="KV caches of shape"):
+            CompiledDecoder.build(model, caches, block, MAX_LEN)
 
 
 def test_used_by_the_runner_and_not_under_tensor_parallel() -> None:

@@ -102,6 +102,7 @@ def test_config_defaults_for_optional_fields(tmp_path: Path) -> None:
     ({"hidden_size": None}, "config.json: required field 'hidden_size'"),
     ({"vocab_size": "1024"}, "'vocab_size' must be a positive integer"),
     ({"num_key_value_heads": 3}, "'num_attention_heads' .4. must be a multiple of 'num_key_value_heads' .3."),
+    ({"head_dim": 15}, "'head_dim' must be even and at least 2, got 15"),
     ({"architectures": []}, "'architectures'"),
     ({"torch_dtype": "int3"}, "'torch_dtype' must be one of"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "rope type 'yarn'"),

@@ -103,6 +103,8 @@ class ModelConfig:
         if num_heads % num_kv_heads:
             raise ValueError(f"{config_file}: 'num_attention_heads' ({num_heads}) must be a multiple of "
                              f"'num_key_value_heads' ({num_kv_heads})")
+        if head_dim < 2 or head_dim % 2:  # rotary embedding rotates pairs of a head's columns
+            raise ValueError(f"{config_file}: 'head_dim' must be even and at least 2, got {head_dim}")
 
         eos_source, eos_value = (gen_file, gen["eos_token_id"]) if gen.get("eos_token_id") is not None \
             else (config_file, text.get("eos_token_id"))

@@ -24,7 +24,7 @@ from paddle import nn
 
 from fastdeploy import ops
 from fastdeploy.ops.build import OpsLibrary
-from fastdeploy.ops.kv_cache import cache_kind
+from fastdeploy.ops.kv_cache import FP8_SCALE_BYTES, cache_kind
 from fastdeploy.model_executor.forward_context import block_table_array
 from fastdeploy.model_executor.layers.linear import GatedMLP
 from fastdeploy.model_executor.layers.moe import SparseMoE
@@ -128,6 +128,17 @@ def _layer(layer: nn.Layer, kv_cache: paddle.Tensor) -> _Layer:
     return out
 
 
+def _check_caches(kv_caches: Sequence[paddle.Tensor], layers: int, attn: nn.Layer, block_size: int) -> None:
+    """The library reads a layer's cache as [2, blocks, KVH, block_size, row] of the first cache's kind and block
+    count (the step's contract); anything else is refused here, before the library points into it."""
+    first = kv_caches[0] if kv_caches else None
+    row = attn.head_dim + (FP8_SCALE_BYTES if first is not None and first.dtype == paddle.uint8 else 0)
+    expected = [2, int(first.shape[1]) if first is not None else 0, attn.num_kv_heads, block_size, row]
+    if len(kv_caches) != layers or any(list(c.shape) != expected or c.dtype != first.dtype for c in kv_caches):
+        raise ValueError(f"the compiled step needs {layers} KV caches of shape {expected} and one dtype, got "
+                         f"{[(list(c.shape), str(c.dtype)) for c in kv_caches][:2]}...")
+
+
 def _ffn_width(layer: nn.Layer) -> int:
     mlp = layer.mlp
     return mlp.down_proj.packed.k if isinstance(mlp, GatedMLP) else 0
@@ -139,6 +150,7 @@ class CompiledDecoder:
     def __init__(self, lib: OpsLibrary, model: nn.Layer, kv_caches: Sequence[paddle.Tensor],
                  block_size: int, max_positions: int) -> None:
         cfg, decoder = model.config, model.model
+        _check_caches(kv_caches, len(decoder.layers), decoder.layers[0].self_attn, block_size)
         self._keep: list[Any] = [model, list(kv_caches)]
         cos, sin = ops.rotary_cos_sin(paddle.arange(max_positions, dtype="int64"), cfg.head_dim, decoder.rotary.base)
         self._keep += [cos, sin]
