@@ -310,8 +310,9 @@ def main() -> None:
     p.add_argument("--inter", type=int, default=1536, help="moe: an expert's intermediate size")
     p.add_argument("--shared-inter", type=int, default=3072, help="moe: the shared MLP's intermediate size (0: none)")
     args = p.parse_args()
-    if args.kernel == "attention" and (args.tokens > args.ctx or args.heads % args.kv_heads or args.head_dim % 16):
-        raise SystemExit("attention needs tokens <= ctx, heads a multiple of kv-heads and head-dim a multiple of 16")
+    if args.kernel == "attention" and (args.tokens > args.ctx or args.heads % args.kv_heads or args.head_dim < 1):
+        raise SystemExit("attention needs tokens <= ctx, heads a multiple of kv-heads and head-dim >= 1 (revisions "
+                         "before 4b771a5 only take multiples of 16)")
     unit, level = TARGETS[args.isa]
     if args.kernel == "attention":
         shape = [args.ctx, args.tokens, args.heads, args.kv_heads, args.head_dim, args.layers, args.rounds, level]
