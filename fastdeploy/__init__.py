@@ -6,6 +6,10 @@ with warnings.catch_warnings():  # paddle warns about ccache on import, which co
     warnings.filterwarnings("ignore", message="No ccache found")
     import paddle  # noqa: F401
 
+from fastdeploy.fatal_signals import restore_default_fatal_signals
+
+restore_default_fatal_signals()  # Paddle's import installed crash handlers that can hang the process
+
 from fastdeploy.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.llm import LLM

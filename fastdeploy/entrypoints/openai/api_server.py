@@ -10,6 +10,7 @@ tensor-parallel workers and exits 0.
 """
 from __future__ import annotations
 
+import faulthandler
 import hmac
 import logging
 import signal
@@ -165,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = engine_config(args)
     except (ValueError, TypeError, NotImplementedError) as e:
         parser.error(str(e))
+    # A crash in native code then prints every thread's Python stack and the process dies of the signal.
+    # Enabled after fastdeploy's import has taken Paddle's handlers down, so the one it chains to is the default.
+    faulthandler.enable()
     engine = LLMEngine(config)
     registry = CollectorRegistry()
     loop = EngineLoop(engine, ServerMetrics(registry))
