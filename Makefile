@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo test sanitize clean
 
 install: $(STAMP)
 
@@ -18,6 +18,14 @@ demo: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q tests
+
+# The op, compiled-step and shape-sweep tests against the custom ops built with AddressSanitizer and
+# UndefinedBehaviorSanitizer (tools/sanitize.py; custom_ops/README.md): the first report fails the run.
+SANITIZE_TESTS := tests/test_ops.py tests/test_moe_op.py tests/test_pack_op.py tests/test_sampling_op.py \
+	tests/test_compiled_step.py tests/test_shape_sweep.py
+
+sanitize: install
+	$(VENV)/bin/python tools/sanitize.py $(SANITIZE_TESTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

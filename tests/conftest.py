@@ -7,10 +7,50 @@ from pathlib import Path
 
 import pytest
 
+# Before pytest's faulthandler is enabled (after conftest files load): fastdeploy's import takes down the crash
+# handlers Paddle's import installs, so faulthandler chains to the default ones rather than being displaced.
+import fastdeploy  # noqa: F401
+
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_HF = FIXTURES / "models" / "ernie45_tiny_hf"
 TINY_PADDLE = FIXTURES / "models" / "ernie45_tiny_paddle"
 REFERENCE = FIXTURES / "reference"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--sanitize", action="store_true",
+                     help="run the compiled ops built with AddressSanitizer and UndefinedBehaviorSanitizer (through "
+                          "`make sanitize`, which preloads their runtime)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption("sanitize"):
+        return
+    import paddle
+
+    from fastdeploy.ops import build
+    if "libasan" not in Path("/proc/self/maps").read_text():
+        pytest.exit("--sanitize needs the ASan runtime preloaded: run `make sanitize`", returncode=4)
+    build.use_sanitizers()
+    # Every tensor its own allocation, bordered by ASan's redzones: Paddle 3.3 already gives each CPU tensor
+    # its own posix_memalign, and this flag keeps it so should a Paddle pool CPU memory (an overflow into a
+    # neighbour in the same chunk would go unseen).
+    paddle.set_flags({"FLAGS_use_system_allocator": True})
+    if build.library() is None:
+        pytest.exit("the sanitized custom ops did not load (see the warning above)", returncode=4)
+
+
+# Tests of the C library's own allocator, which ASan replaces: meaningless in the sanitized run.
+NOT_UNDER_SANITIZERS = ("tests/test_ops.py::test_keep_freed_memory_stops_page_faults_on_reallocation",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("sanitize"):
+        return
+    dropped = [item for item in items if item.nodeid in NOT_UNDER_SANITIZERS]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in dropped]
 
 
 @pytest.fixture(scope="session")
