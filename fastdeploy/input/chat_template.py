@@ -24,6 +24,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from fastdeploy.input.chat_template_limits import BoundedSandbox, check_source, render_bounded
+
 logger = logging.getLogger(__name__)
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -32,8 +34,19 @@ ContentFormat = Literal["string", "openai"]
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+class RequestTemplate(str):
+    """Template source sent by a server client: only ever Jinja text (never a path to read), rendered by
+    the bounded sandbox (chat_template_limits.py)."""
+
+    __slots__ = ()
+
+
 def resolve_chat_template(value: str | os.PathLike[str]) -> str:
-    """Return template text for `value`, which is Jinja source or the path of a file holding it."""
+    """Return template text for `value`, which is Jinja source or the path of a file holding it (a
+    RequestTemplate is returned as it is: a client's text is never taken for a path)."""
+    if isinstance(value, RequestTemplate):
+        check_source(value)
+        return value
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"chat_template must be a Jinja string or a file path, got {type(value).__name__}")
     try:
@@ -130,9 +143,10 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@functools.lru_cache(maxsize=1)
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+@functools.lru_cache(maxsize=2)
+def _environment(bounded: bool = False) -> ImmutableSandboxedEnvironment:
+    """The one place environments are built; `bounded` for a request's template (size and time limits)."""
+    env = (BoundedSandbox if bounded else ImmutableSandboxedEnvironment)(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -142,10 +156,10 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 @functools.lru_cache(maxsize=64)
-def compile_chat_template(source: str) -> jinja2.Template:
+def compile_chat_template(source: str, bounded: bool = False) -> jinja2.Template:
     """Compile (and cache) a template; syntax errors become ValueError."""
     try:
-        return _environment().from_string(source)
+        return _environment(bounded).from_string(str(source))
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"chat_template is not valid Jinja (line {exc.lineno}): {exc.message}") from None
 
@@ -254,16 +268,21 @@ def render_chat_template(
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be set: the first ends "
                          "the prompt inside the last message, the second opens a new assistant message")
-    template = compile_chat_template(source)
+    bounded = isinstance(source, RequestTemplate)
+    template = compile_chat_template(str(source), bounded)
     chat = prepare_messages(messages, detect_content_format(source))
     final = _tag_final_message(chat, source) if continue_final_message else None
     variables = {**(special_tokens or {}), **{k: _plain(v) for k, v in kwargs.items()}}
+    fixed = {"messages": chat, "tools": _plain(tools), "documents": _plain(documents),
+             "add_generation_prompt": add_generation_prompt}
+    if fixed.keys() & kwargs.keys():
+        raise ValueError(f"chat template keywords may not set {sorted(fixed.keys() & kwargs.keys())}")
+    variables.update(fixed)
     try:
-        text = template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                               add_generation_prompt=add_generation_prompt, **variables)
+        text = render_bounded(template, variables) if bounded else template.render(**variables)
     except jinja2.TemplateError as exc:
         raise ValueError(str(exc)) from None
-    except (TypeError, AttributeError, KeyError, IndexError) as exc:
+    except (TypeError, AttributeError, KeyError, IndexError, ArithmeticError, RecursionError) as exc:
         raise ValueError(f"chat template failed on these messages: {exc}") from None
     return text if final is None else _cut_at_tag(text, final)
 

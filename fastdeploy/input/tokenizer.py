@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdeploy.input.chat_template import (
+    RequestTemplate,
     load_chat_template,
     render_chat_template,
     resolve_chat_template,
@@ -344,6 +345,8 @@ class Tokenizer:
     def get_chat_template(self, chat_template: str | os.PathLike[str] | None = None, tools: Any = None) -> str:
         """The template to use: `chat_template` (text, file, or a name of the tokenizer's templates) or the own one."""
         named = self.chat_template if isinstance(self.chat_template, dict) else {}
+        if isinstance(chat_template, RequestTemplate):
+            return resolve_chat_template(chat_template)  # a client's text: never a path or a name
         if isinstance(chat_template, str) and chat_template in named:
             return named[chat_template]
         if chat_template is not None:

@@ -173,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     registry = CollectorRegistry()
     loop = EngineLoop(engine, ServerMetrics(registry))
     ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer), config.served_model_name or args.model,
-                         args.max_concurrency, args.max_waiting_time if args.max_waiting_time >= 0 else None)
+                         args.max_concurrency, args.max_waiting_time if args.max_waiting_time >= 0 else None,
+                         args.trust_request_chat_template)
     gate = build_app(ctx, args.api_key, registry if args.metrics_port is None else None)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host, registry=registry)

@@ -107,6 +107,9 @@ def make_parser() -> argparse.ArgumentParser:
                              "fails with HTTP 408 (negative: no limit) (default: %(default)s)")
     server.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds running requests may take to finish (default: %(default)s)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests send their own chat template (Jinja text, never a file path; rendered "
+                             "within size and time limits); without it a request carrying one gets HTTP 400")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = parser.add_argument_group("engine (the LLM(...) parameters)")
     for f in ENGINE_FIELDS:

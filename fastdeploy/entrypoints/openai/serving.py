@@ -44,6 +44,7 @@ class ServingContext:
     model_name: str
     max_concurrency: int | None = None
     max_waiting_time: float | None = None  # seconds a request may wait for a seat (None: no limit)
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: requests may send templates
     in_flight: int = 0  # API calls being served (touched only on the event loop)
 
     def check_model(self, name: str | None) -> None:

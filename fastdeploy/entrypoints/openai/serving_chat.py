@@ -18,6 +18,7 @@ from fastdeploy.entrypoints.openai.serving import (
     SSE_DONE, APIError, Choice, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
     json_logprob, sse, submit, top_entries, usage)
 from fastdeploy.engine.sampling_params import GuidedDecodingParams, SamplingParams
+from fastdeploy.input.chat_template import RequestTemplate
 from fastdeploy.tool_parsers import check_tool_choice, check_tools, join_call_deltas, known_tool_parsers
 from fastdeploy.tool_parsers.forced import forced_call_parser, forced_call_schema
 from fastdeploy.tool_parsers.parsers import ToolParser
@@ -43,13 +44,15 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     tools, parse_calls, params = _tools(ctx, body, params)
     # A call forced to a named function finishes with "stop" (as OpenAI); other calls with "tool_calls".
     calls_finish = not isinstance(body.tool_choice, dict)
+    template_kwargs, template, template_field = _request_template(ctx, body)
     start = time.time()
     try:
         # Off the event loop: media are fetched and decoded here.
-        prompt = await run_in_threadpool(ctx.prompts.from_chat, body.messages, body.chat_template_kwargs,
-                                         body.chat_template, tools)
+        prompt = await run_in_threadpool(ctx.prompts.from_chat, body.messages, template_kwargs, template, tools)
     except (ValueError, TypeError, NotImplementedError, jinja2.TemplateError) as e:
-        raise APIError(400, f"messages: {e}", "messages") from None
+        # With a client's template, a rendering failure is most likely the template's.
+        field = template_field or "messages"
+        raise APIError(400, f"{field}: {e}", field) from None
     thinking = bool((body.chat_template_kwargs or {}).get("enable_thinking", True))
     requests = make_requests(ctx, [prompt], params, start, thinking, tool_calls=parse_calls)
     call_id, created = new_id("chatcmpl"), now()
@@ -72,6 +75,27 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         "usage": usage(requests, body.n),
     }
     return JSONResponse(response)
+
+
+def _request_template(ctx: ServingContext, body: ChatCompletionRequest
+                      ) -> tuple[dict[str, Any] | None, RequestTemplate | None, str | None]:
+    """(the template keywords without a template, the request's template, the field it came in): a client's
+    template is refused unless the server trusts them, and is only ever Jinja text (a file path is read
+    as the text of the path, not as the file)."""
+    kwargs = dict(body.chat_template_kwargs) if body.chat_template_kwargs is not None else None
+    sent = [(name, value) for name, value in (("chat_template", body.chat_template),
+                                              ("chat_template_kwargs.chat_template",
+                                               (kwargs or {}).pop("chat_template", None)))
+            if value is not None]
+    if not sent:
+        return kwargs, None, None
+    field, text = sent[-1]  # the keywords' one wins, as offline
+    if not ctx.trust_request_chat_template:
+        raise APIError(400, f"{field}: this server does not accept chat templates from requests (the operator "
+                            "may allow them with --trust-request-chat-template)", field)
+    if not isinstance(text, str):
+        raise APIError(400, f"{field}: must be a Jinja template string, got {type(text).__name__}", field)
+    return kwargs, RequestTemplate(text), field
 
 
 def _tools(ctx: ServingContext, body: ChatCompletionRequest, params: SamplingParams
