@@ -142,6 +142,23 @@ class LLMEngine:
         if bad:
             return (f"stop_token_ids, bad_words_token_ids and logit_bias keys must be < vocab size {self.vocab_size}, "
                     f"got {bad}")
+        return self._bans_everything(request)
+
+    def _bans_everything(self, request: Request) -> str | None:
+        """Why no token could ever be sampled, if the request's bans can cover the whole vocabulary (a step
+        with every logit at -inf raises in the sampler, or a greedy row picks a banned id). Bad-word
+        sequences sharing a prefix ban their last tokens together once it is output: counted as if it may be."""
+        params = request.params
+        always = set(params.bad_words_token_ids or ())
+        after: dict[tuple[int, ...], set[int]] = {}
+        for seq in self.output_processor.bad_word_sequences(params.bad_words or ()):
+            (always if len(seq) == 1 else after.setdefault(seq[:-1], set())).add(seq[-1])
+        if params.min_tokens > 0:  # EOS and stop ids are banned until min_tokens outputs
+            always |= set(request.eos_token_ids) | set(params.stop_token_ids or ())
+        worst = always | max(after.values(), key=lambda s: len(s - always), default=set())
+        if sum(0 <= t < self.vocab_size for t in worst) >= self.vocab_size:
+            return (f"bad_words_token_ids, bad_words and (below min_tokens={params.min_tokens}) stop_token_ids and "
+                    f"EOS together ban all {self.vocab_size} tokens of the vocabulary: nothing could be sampled")
         return None
 
     def add_request(self, request: Request) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,20 @@ class RequestOutputKind(enum.Enum):
 
 
 MAX_SEED = 922337203685477580  # FastDeploy's upper bound
+# Bounds that keep every value finite once the sampler holds it as float32 (JSON's 1e39 is a finite
+# Python float but inf in float32, and NaN passes every `<` check), so no request makes a step raise.
+# temperature: vLLM and FastDeploy only require >= 0; past 1e4 the logits of any model (|logit| well
+# under 1e3) differ by at most 0.2 after the division, i.e. sampling is already near uniform, so the cap takes
+# nothing away. An infinite temperature turned banned tokens' -inf into NaN.
+MAX_TEMPERATURE = 1e4
+# repetition_penalty: FastDeploy and vLLM only require > 0. It divides positive logits and multiplies
+# negative ones; 1e-46 is 0 in float32 (logit / 0 = inf, 0 * inf = NaN). 100 already pushes a seen
+# token far below the rest (1/100 of its logit), 0.01 far above; beyond is no more useful and the
+# logits stay finite for |logit| < 3e36.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PENALTY_RANGE = (-2.0, 2.0)  # presence / frequency: OpenAI's and FastDeploy's documented range
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+MAX_TOP_K = 2**31 - 1  # top_k above the vocabulary is off anyway; larger ints overflow the int64 step arrays
 
 # Fields whose unset value (None) is filled from the model's generation_config.json, else these.
 MODEL_DEFAULTS: dict[str, float] = {
@@ -36,6 +51,15 @@ def _number(name: str, value: Any, *, integer: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an int" if integer else "a number"
         raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+
+
+def _bounded(name: str, value: Any, low: float, high: float, why: str = "") -> None:
+    """value is a finite number in [low, high] (NaN fails no comparison, so finiteness is checked first)."""
+    _number(name, value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}]{why}, got {value}")
 
 
 def _int_list(name: str, value: Any) -> None:
@@ -141,29 +165,18 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value is not None:
-                _number(name, value)
-                if not -2.0 <= value <= 2.0:
-                    raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            if getattr(self, name) is not None:
+                _bounded(name, getattr(self, name), *PENALTY_RANGE)
         if self.repetition_penalty is not None:
-            _number("repetition_penalty", self.repetition_penalty)
-            if self.repetition_penalty <= 0:
-                raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            _bounded("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE, " (1 is off)")
         if self.temperature is not None:
-            _number("temperature", self.temperature)
-            if self.temperature < 0:
-                raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+            _bounded("temperature", self.temperature, 0.0, MAX_TEMPERATURE, " (0 means greedy)")
         if self.top_p is not None:
-            _number("top_p", self.top_p)
-            if not 0.0 <= self.top_p <= 1.0:
-                raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+            _bounded("top_p", self.top_p, 0.0, 1.0)
         _number("top_k", self.top_k, integer=True)
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be 0 or -1 (off) or an int >= 1, got {self.top_k}")
-        _number("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be 0 or -1 (off) or an int in [1, {MAX_TOP_K}], got {self.top_k}")
+        _bounded("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _number("seed", self.seed, integer=True)
             if not 0 <= self.seed <= MAX_SEED:
@@ -225,9 +238,7 @@ class SamplingParams:
                 token = int(token)  # JSON turns keys into strings
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
-            _number("logit_bias value", value)
-            if not -100 <= value <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+            _bounded("logit_bias values", value, *LOGIT_BIAS_RANGE)
 
     @property
     def ranks_candidates(self) -> bool:

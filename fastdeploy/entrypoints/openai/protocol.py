@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI API (and FastDeploy's extra fields), and how they become SamplingParams.
 
 Unknown fields are refused (400 naming them) rather than silently ignored; values are checked by
-SamplingParams itself, so the server and LLM.generate accept exactly the same ranges.
+SamplingParams itself, so the server and LLM.generate accept exactly the same ranges. Python's json
+parses NaN, Infinity and 1e400 (inf): every float field, nested ones included (logit_bias values),
+refuses non-finite numbers already here (allow_inf_nan=False).
 """
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.openai.guided_fields import guided_decoding_from
 
 
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     include_usage: bool = False
 
 
@@ -26,7 +31,7 @@ class _SamplingFields(BaseModel):
     """Fields both endpoints share: SamplingParams' own (same names and defaults), OpenAI's and
     FastDeploy's extras."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     model: str | None = None
     n: int = _OFFLINE["n"]
     temperature: float | None = _OFFLINE["temperature"]
