@@ -31,7 +31,7 @@ OFFLINE_BAD = [
     ("frequency_penalty", 1e39), ("frequency_penalty", NAN), ("frequency_penalty", -INF),
     ("presence_penalty", NAN), ("presence_penalty", 2.5),
     ("top_p", NAN), ("top_p", INF), ("top_p", -0.1), ("min_p", NAN), ("min_p", 1.01),
-    ("top_k", 10**20), ("top_k", MAX_TOP_K + 1), ("seed", -1),
+    ("top_k", 10**20), ("top_k", MAX_TOP_K + 1), ("seed", -1), ("logprobs", 10**20), ("prompt_logprobs", 10**20),
 ]
 
 
@@ -71,6 +71,15 @@ def test_values_at_the_edges_sample_fine(llm, edge):
     out = llm.generate([[5, 6, 7, 5, 6]], params, use_tqdm=False)[0]
     assert out.error_code == 200 and len(out.outputs.token_ids) == 4
     assert not set(out.outputs.token_ids) & set(edge.get("bad_words_token_ids", ()))
+
+
+def test_the_largest_logprobs_allowed_is_the_whole_vocabulary(tiny_hf):
+    """With max_logprobs=-1 (no engine limit) a huge k overflowed the step's int64 arrays; the largest k
+    SamplingParams allows gives the whole vocabulary."""
+    model = LLM(model=tiny_hf, max_model_len=64, block_size=16, max_num_seqs=2, max_logprobs=-1)
+    k = 2**31 - 1
+    out = model.generate([[5, 6, 7]], SamplingParams(**GOOD, logprobs=k, prompt_logprobs=k), use_tqdm=False)[0]
+    assert out.error_code == 200 and len(out.outputs.logprobs[0]) == model.engine.vocab_size
 
 
 def ban_all_cases(vocab: int) -> list[dict]:

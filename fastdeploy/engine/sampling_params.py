@@ -35,6 +35,7 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 PENALTY_RANGE = (-2.0, 2.0)  # presence / frequency: OpenAI's and FastDeploy's documented range
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 MAX_TOP_K = 2**31 - 1  # top_k above the vocabulary is off anyway; larger ints overflow the int64 step arrays
+MAX_LOGPROBS = MAX_TOP_K  # k above the vocabulary is the whole vocabulary; 10**20 overflowed (max_logprobs=-1)
 
 # Fields whose unset value (None) is filled from the model's generation_config.json, else these.
 MODEL_DEFAULTS: dict[str, float] = {
@@ -205,8 +206,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _number(name, value, integer=True)
-                if value < -1:
-                    raise ValueError(f"{name} must be >= 0 (or -1 for the whole vocabulary), got {value}")
+                if not -1 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (or -1 for the whole vocabulary), "
+                                     f"got {value}")
         if self.reasoning_max_tokens is not None:
             _number("reasoning_max_tokens", self.reasoning_max_tokens, integer=True)
             if self.reasoning_max_tokens < 1:
