@@ -125,7 +125,8 @@ class EngineConfig:
         "raw_logprobs", "what logprobs report: raw_logprobs, raw_logits (the model's), processed_logprobs or "
                         "processed_logits (what the sampler drew from: after bans, logit bias, penalties, "
                         "temperature and top_k / top_p / min_p)")
-    served_model_name: str | None = param(None, "the model's name in the OpenAI API (default: the model argument)")
+    served_model_name: str | None = param(None, "the model's name in the OpenAI API (default: the model "
+                                                  "directory's name, or a hub repo id as given)")
     lm_head_fp32: bool = param(False, "hold the embedding / LM head table in float32 and compute the logits in float32")
     load_choices: str = param("default_v1", "FastDeploy's weight loader: default or default_v1 (both load the same here)")
     model_config: ModelConfig = field(init=False, repr=False)

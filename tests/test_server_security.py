@@ -119,3 +119,41 @@ def test_slow_template_stops_at_the_deadline(trusting_server):
     assert "took longer" in error["message"]
     assert time.monotonic() - started < 30
     assert_answers(trusting_server)
+
+
+# ------------------------------------------------------------------------ HTTP surface
+
+
+def test_post_that_is_not_json_gets_415(default_server):
+    body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        r = httpx.post(f"{default_server.url}/v1/chat/completions", content=body, headers=headers, timeout=TIMEOUT_S)
+        assert_openai_error(r, 415)
+    # the same body declared as JSON (with a charset) is served
+    r = httpx.post(f"{default_server.url}/v1/chat/completions", content=body, timeout=TIMEOUT_S,
+                   headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_404_and_405_in_openai_shape(default_server):
+    r = httpx.get(f"{default_server.url}/v1/no-such-route", timeout=10)
+    assert "detail" not in r.json()
+    assert_openai_error(r, 404)
+    r = httpx.get(f"{default_server.url}/v1/chat/completions", timeout=10)
+    assert "detail" not in r.json()
+    assert assert_openai_error(r, 405)["type"] == "invalid_request_error"
+    assert "POST" in r.headers.get("allow", "")
+
+
+def test_models_do_not_reveal_the_model_path(default_server, trusting_server, tiny_hf):
+    absolute = str(Path(tiny_hf).resolve())
+    listed = httpx.get(f"{default_server.url}/v1/models", timeout=10)
+    assert listed.status_code == 200 and absolute not in listed.text and tiny_hf not in listed.text
+    (model,) = listed.json()["data"]
+    assert model["id"] == model["root"] == Path(tiny_hf).name
+    answer = assert_answers(default_server, model=model["id"])
+    assert answer["model"] == model["id"] and absolute not in str(answer)
+    assert_answers(default_server, model=tiny_hf)  # the --model argument as typed still names it
+    (model,) = httpx.get(f"{trusting_server.url}/v1/models", timeout=10).json()["data"]
+    assert model["id"] == model["root"] == "tiny"  # the operator's chosen name

@@ -18,11 +18,13 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, start_http_server
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -41,13 +43,26 @@ from fastdeploy.entrypoints.openai.serving_completion import create_completion
 logger = logging.getLogger("fastdeploy.api_server")
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+# Error types of the statuses protocol.ERROR_TYPES leaves generic.
+_MORE_ERROR_TYPES = {405: "invalid_request_error", 415: "invalid_request_error"}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = error_body(status, message, param)
+    body["error"]["type"] = _MORE_ERROR_TYPES.get(status, body["error"]["type"])
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _is_json(headers: dict[bytes, bytes]) -> bool:
+    media_type = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+    return media_type == b"application/json"
 
 
 class Gatekeeper:
     """ASGI middleware (pure, so streaming and client disconnects pass straight through): 503 while
-    shutting down, 401 on /v1 without one of the API keys."""
+    shutting down, 401 on /v1 without one of the API keys, 415 for a POST body that is not declared JSON
+    (a web page can send a form or text/plain body cross-site without a CORS preflight, never JSON)."""
 
     def __init__(self, app: ASGIApp, api_keys: Sequence[str] | None):
         self.app = app
@@ -57,12 +72,14 @@ class Gatekeeper:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             refusal = None
+            headers = dict(scope["headers"])
             if self.draining:
                 refusal = error_response(503, "the server is shutting down")
-            elif self.api_keys and scope["path"].startswith("/v1"):
-                given = dict(scope["headers"]).get(b"authorization", b"")
-                if not any(hmac.compare_digest(given, key) for key in self.api_keys):
-                    refusal = error_response(401, "missing or wrong API key: send `Authorization: Bearer KEY`")
+            elif self.api_keys and scope["path"].startswith("/v1") and not any(
+                    hmac.compare_digest(headers.get(b"authorization", b""), key) for key in self.api_keys):
+                refusal = error_response(401, "missing or wrong API key: send `Authorization: Bearer KEY`")
+            elif scope["method"] == "POST" and not _is_json(headers):
+                refusal = error_response(415, "the body must be JSON sent with `Content-Type: application/json`")
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
@@ -89,6 +106,11 @@ def build_app(ctx: ServingContext, api_keys: Sequence[str] | None = None,
     @app.exception_handler(APIError)
     async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(http: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own 404 / 405 would be {"detail": ...}; clients parse OpenAI's shape.
+        return error_response(exc.status_code, f"{exc.detail}: {http.method} {http.url.path}", headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
@@ -127,7 +149,7 @@ def build_app(ctx: ServingContext, api_keys: Sequence[str] | None = None,
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": ctx.model_name, "object": "model", "created": created, "owned_by": "fastdeploy",
-            "root": ctx.engine.config.model, "max_model_len": ctx.engine.config.max_model_len}]}
+            "root": ctx.model_name, "max_model_len": ctx.engine.config.max_model_len}]}
 
     @app.get("/health")
     async def health() -> Response:
@@ -141,6 +163,13 @@ def build_app(ctx: ServingContext, api_keys: Sequence[str] | None = None,
             return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return Gatekeeper(app, api_keys)
+
+
+def served_name(model: str) -> str:
+    """The API's model name without --served-model-name: a checkpoint directory's own name (its path on
+    disk is no client's business), a hub repo id as given."""
+    path = Path(model)
+    return path.resolve().name or model if path.exists() else model
 
 
 async def _released(body: AsyncIterator[Any], ctx: ServingContext) -> AsyncIterator[Any]:
@@ -172,9 +201,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = LLMEngine(config)
     registry = CollectorRegistry()
     loop = EngineLoop(engine, ServerMetrics(registry))
-    ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer), config.served_model_name or args.model,
+    name = config.served_model_name or served_name(args.model)
+    ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer), name,
                          args.max_concurrency, args.max_waiting_time if args.max_waiting_time >= 0 else None,
-                         args.trust_request_chat_template)
+                         args.trust_request_chat_template, accepted_names=(args.model,))
     gate = build_app(ctx, args.api_key, registry if args.metrics_port is None else None)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host, registry=registry)

@@ -46,9 +46,11 @@ class ServingContext:
     max_waiting_time: float | None = None  # seconds a request may wait for a seat (None: no limit)
     trust_request_chat_template: bool = False  # --trust-request-chat-template: requests may send templates
     in_flight: int = 0  # API calls being served (touched only on the event loop)
+    # Other names a request may use (the --model argument as typed: clients that send it keep working).
+    accepted_names: tuple[str, ...] = ()
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and name not in self.accepted_names:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
                            "model")
 
