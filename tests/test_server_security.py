@@ -157,3 +157,17 @@ def test_models_do_not_reveal_the_model_path(default_server, trusting_server, ti
     assert_answers(default_server, model=tiny_hf)  # the --model argument as typed still names it
     (model,) = httpx.get(f"{trusting_server.url}/v1/models", timeout=10).json()["data"]
     assert model["id"] == model["root"] == "tiny"  # the operator's chosen name
+
+
+def test_api_key_file(tmp_path):
+    from fastdeploy.entrypoints.openai.cli_args import api_keys, make_parser
+
+    keys = tmp_path / "keys"
+    keys.write_text("\n  first-key  \n\nsecond-key\n")
+    args = make_parser().parse_args(["--model", "m", "--api-key", "cli-key", "--api-key-file", str(keys)])
+    assert api_keys(args) == ["cli-key", "first-key", "second-key"]
+    for bad in (tmp_path / "missing", tmp_path / "empty"):
+        if bad.name == "empty":
+            bad.write_text("\n \n")
+        with pytest.raises(ValueError, match="--api-key-file"):
+            api_keys(make_parser().parse_args(["--model", "m", "--api-key-file", str(bad)]))

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.entrypoints.multimodal import prompts_for
-from fastdeploy.entrypoints.openai.cli_args import engine_config, make_parser
+from fastdeploy.entrypoints.openai.cli_args import api_keys, engine_config, make_parser
 from fastdeploy.entrypoints.openai.engine_loop import EngineLoop
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -192,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        keys = api_keys(args)
         config = engine_config(args)
     except (ValueError, TypeError, NotImplementedError) as e:
         parser.error(str(e))
@@ -205,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer), name,
                          args.max_concurrency, args.max_waiting_time if args.max_waiting_time >= 0 else None,
                          args.trust_request_chat_template, accepted_names=(args.model,))
-    gate = build_app(ctx, args.api_key, registry if args.metrics_port is None else None)
+    gate = build_app(ctx, keys, registry if args.metrics_port is None else None)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host, registry=registry)
     server = uvicorn.Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,

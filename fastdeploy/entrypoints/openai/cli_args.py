@@ -100,6 +100,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help="serve /metrics on this port (default: on the API port)")
     server.add_argument("--api-key", action="append", default=None,
                         help="accept only `Authorization: Bearer KEY` on /v1 (repeat for several keys)")
+    server.add_argument("--api-key-file", action="append", default=None, metavar="FILE",
+                        help="read API keys from FILE, one per line (keeps them out of `ps` and the shell history); "
+                             "adds to --api-key")
     server.add_argument("--max-concurrency", type=int, default=None,
                         help="API calls served at once; more get HTTP 429 (default: unlimited)")
     server.add_argument("--max-waiting-time", type=_seconds, default=-1,
@@ -119,6 +122,21 @@ def make_parser() -> argparse.ArgumentParser:
     for name in NOT_IMPLEMENTED_FLAGS:
         _add_not_implemented_flag(fastdeploy_only, name)
     return parser
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of --api-key and of each --api-key-file (ValueError for a file that cannot be read or holds none)."""
+    keys = list(args.api_key or ())
+    for file in args.api_key_file or ():
+        try:
+            with open(file, encoding="utf-8") as f:
+                found = [line.strip() for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {file}: cannot be read ({e})") from None
+        if not found:
+            raise ValueError(f"--api-key-file {file}: holds no key")
+        keys += found
+    return keys
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
