@@ -101,6 +101,8 @@ def test_trusted_template_is_text_never_a_file(trusting_server, secret_file):
     "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
     "{{ 'x'.center(10**9) }}",
     "{{ 7 ** (10 ** 9) }}",
+    "{{ ([1] * 1000000)|tojson(indent=100000) }}",
+    "{{ '{0:>{1}}'.format('x', 10 ** 9) }}",
 ])
 def test_trusted_template_bombs_are_refused(trusting_server, bomb):
     started = time.monotonic()

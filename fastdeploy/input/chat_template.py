@@ -282,7 +282,7 @@ def render_chat_template(
         text = render_bounded(template, variables) if bounded else template.render(**variables)
     except jinja2.TemplateError as exc:
         raise ValueError(str(exc)) from None
-    except (TypeError, AttributeError, KeyError, IndexError, ArithmeticError, RecursionError) as exc:
+    except (TypeError, AttributeError, KeyError, IndexError, ArithmeticError, RecursionError, MemoryError) as exc:
         raise ValueError(f"chat template failed on these messages: {exc}") from None
     return text if final is None else _cut_at_tag(text, final)
 

@@ -55,6 +55,20 @@ def _weight(value: Any, budget: int = MAX_OUTPUT_CHARS) -> int:
     return total
 
 
+def _depth(value: Any, budget: int = MAX_OUTPUT_CHARS) -> int:
+    """How deeply lists and dicts nest in `value` (visiting at most `budget` items)."""
+    deepest, stack, seen = 0, [(value, 0)], 0
+    while stack and seen <= budget:
+        item, depth = stack.pop()
+        seen += 1
+        deepest = max(deepest, depth)
+        if isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item)
+        elif isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+    return deepest
+
+
 def _refuse_over(size: int, what: str) -> None:
     if size > MAX_OUTPUT_CHARS:
         raise TemplateLimitError(f"the chat template would make {what} of more than {MAX_OUTPUT_CHARS} characters")
@@ -81,7 +95,11 @@ def _check_format(fmt: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
     if any(int(n) > MAX_INT_ARG for n in _NUMBER.findall(fmt)):
         raise TemplateLimitError(f"the chat template formats with a width over {MAX_INT_ARG}")
     values = [*args, *kwargs.values()]
-    widest = max((4 * _weight(v) + len(str(v)) * isinstance(v, (int, float)) + 32 for v in values), default=0) + MAX_INT_ARG * ("*" in fmt)
+    _check_args(args, kwargs)
+    # a field is at most the longest argument's text, padded to at most the largest int (a nested width)
+    widest = (max((4 * _weight(v) + 32 for v in values), default=0)
+              + max((abs(v) for v in values if isinstance(v, int) and not isinstance(v, bool)), default=0)
+              + MAX_INT_ARG * ("*" in fmt))
     _refuse_over(len(fmt) + (fmt.count("%") + fmt.count("{")) * widest, "a formatted string")
 
 
@@ -105,6 +123,15 @@ def _precheck(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         _refuse_over(_weight(items) + count * len(sep), "a joined string")
     elif name in ("format", "format_map") and isinstance(first, str):
         _check_format(first, args[1:], kwargs)
+    elif name == "tojson":  # each line indented by indent x depth, each item followed by a separator
+        indent = kwargs.get("indent", args[2] if len(args) > 2 else None)
+        separators = kwargs.get("separators", args[3] if len(args) > 3 else None)
+        weight = _weight(first)
+        per_item = (_size(indent) if isinstance(indent, (int, str)) else 0) * max(_depth(first), 1) + _weight(
+            separators) + 1
+        _refuse_over(4 * weight + (weight + 1) * per_item, "a JSON string")
+    elif name == "translate" and isinstance(first, str) and len(args) > 1 and isinstance(args[1], dict):
+        _refuse_over(len(first) * max([_weight(v) for v in args[1].values()] + [1]), "a translated string")
     elif name in ("indent", "expandtabs", "wordwrap") and isinstance(first, str):
         extra = max([_size(a) for a in (*args[1:], *kwargs.values())] + [8])
         _refuse_over(len(first) * (extra + 1), f"a string from {name}")
@@ -122,12 +149,24 @@ def _checked_filter(f: Callable[..., Any]) -> Callable[..., Any]:
         # pass_context / pass_eval_context filters get that first: the checked value comes after it
         plain = args[1:] if args and not isinstance(args[0], (str, list, tuple, dict)) and hasattr(
             f, "jinja_pass_arg") else args
-        _precheck(f.__name__.removeprefix("do_").removeprefix("sync_do_"), plain, kwargs)
+        _precheck(f.__name__.lstrip("_").removeprefix("do_").removeprefix("sync_do_"), plain, kwargs)
         result = f(*args, **kwargs)
         _refuse_over(_weight(result), f"a value from the filter {f.__name__}")
         return result
 
     return run
+
+
+class _CheckedFilters(dict):
+    """The filter table: every filter, also one added after the environment is made, runs checked."""
+
+    def __init__(self, filters: dict[str, Callable[..., Any]]) -> None:
+        super().__init__()
+        for name, f in filters.items():
+            self[name] = f
+
+    def __setitem__(self, name: str, f: Callable[..., Any]) -> None:
+        super().__setitem__(name, _checked_filter(f))
 
 
 class _BoundedCodeGenerator(CodeGenerator):
@@ -148,7 +187,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.filters = {name: _checked_filter(f) for name, f in self.filters.items()}
+        self.filters = _CheckedFilters(self.filters)
 
     @staticmethod
     def checked_concat(text: str) -> str:
