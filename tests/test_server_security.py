@@ -33,7 +33,8 @@ def default_server(tiny_hf: str):
 
 @pytest.fixture(scope="module")
 def trusting_server(tiny_hf: str):
-    s = Server(tiny_hf, "--trust-request-chat-template", "--served-model-name", "tiny")
+    s = Server(tiny_hf, "--trust-request-chat-template", "--served-model-name", "tiny",
+               "--enable-prompt-tokens-details")
     yield s
     assert s.stop() == 0
 
@@ -173,3 +174,15 @@ def test_api_key_file(tmp_path):
             bad.write_text("\n \n")
         with pytest.raises(ValueError, match="--api-key-file"):
             api_keys(make_parser().parse_args(["--model", "m", "--api-key-file", str(bad)]))
+
+
+def test_cached_tokens_only_when_enabled(default_server, trusting_server):
+    prompt = "The same long prefix, sent twice. " * 8  # over one 64-token block
+    for server, reported in ((default_server, False), (trusting_server, True)):
+        for _ in range(2):
+            r = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT_S,
+                           json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+            assert r.status_code == 200, r.text
+        assert ("prompt_tokens_details" in r.json()["usage"]) == reported
+        assert "cached_tokens" in r.text if reported else "cached_tokens" not in r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the second of the trusting server

@@ -205,7 +205,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     name = config.served_model_name or served_name(args.model)
     ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer), name,
                          args.max_concurrency, args.max_waiting_time if args.max_waiting_time >= 0 else None,
-                         args.trust_request_chat_template, accepted_names=(args.model,))
+                         args.trust_request_chat_template, accepted_names=(args.model,),
+                         prompt_tokens_details=args.enable_prompt_tokens_details)
     gate = build_app(ctx, keys, registry if args.metrics_port is None else None)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host, registry=registry)

@@ -113,6 +113,9 @@ def make_parser() -> argparse.ArgumentParser:
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests send their own chat template (Jinja text, never a file path; rendered "
                              "within size and time limits); without it a request carrying one gets HTTP 400")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens (they tell a "
+                             "client whether a prompt prefix was sent before, by anyone)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = parser.add_argument_group("engine (the LLM(...) parameters)")
     for f in ENGINE_FIELDS:

@@ -45,6 +45,9 @@ class ServingContext:
     max_concurrency: int | None = None
     max_waiting_time: float | None = None  # seconds a request may wait for a seat (None: no limit)
     trust_request_chat_template: bool = False  # --trust-request-chat-template: requests may send templates
+    # --enable-prompt-tokens-details: usage reports prefix-cache hits, which tell a client whether anyone
+    # sent the same prompt prefix before; off by default.
+    prompt_tokens_details: bool = False
     in_flight: int = 0  # API calls being served (touched only on the event loop)
     # Other names a request may use (the --model argument as typed: clients that send it keep working).
     accepted_names: tuple[str, ...] = ()
@@ -157,13 +160,17 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(requests: Sequence[Request], per_prompt: int) -> dict[str, Any]:
-    """OpenAI's usage: prompt tokens counted once per prompt (not per sample), every sample's output.
-    per_prompt: the requests of each prompt (n, or best_of candidates), consecutive."""
+def usage(ctx: ServingContext, requests: Sequence[Request], per_prompt: int) -> dict[str, Any]:
+    """OpenAI's usage: prompt tokens counted once per prompt (not per sample), every sample's output, and
+    the prefix-cache hits if the server reports them. per_prompt: the requests of each prompt (n, or best_of
+    candidates), consecutive."""
     prompt = sum(r.num_prompt_tokens for r in requests[::per_prompt])
     completion = sum(r.num_output_tokens for r in requests)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in requests[::per_prompt])}}
+    counts: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
+    if ctx.prompt_tokens_details:
+        counts["prompt_tokens_details"] = {"cached_tokens": sum(r.num_cached_tokens for r in requests[::per_prompt])}
+    return counts
 
 
 def json_logprob(value: float) -> float:

@@ -72,7 +72,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
             "finish_reason": "tool_calls" if c.tool_call_deltas and calls_finish else c.finish_reason,
             "stop_reason": c.stop_reason,
         } for i, c in enumerate(choices)],
-        "usage": usage(requests, body.n),
+        "usage": usage(ctx, requests, body.n),
     }
     return JSONResponse(response)
 
@@ -158,7 +158,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, requests: li
             for part in _one_call_item_each(choice):
                 yield chunk([part])
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage=usage(requests, body.n))
+            yield chunk([], usage=usage(ctx, requests, body.n))
     except APIError as e:  # the engine failed mid-stream: say so in the stream, then end it
         yield sse({"error": {"message": e.message, "type": "internal_server_error", "code": e.status}})
     yield SSE_DONE

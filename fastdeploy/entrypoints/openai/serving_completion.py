@@ -71,7 +71,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, http: 
             **_token_ids(body, request, c.token_ids),
         } for i, (p, request, c) in enumerate(_returned(requests, choices, per_prompt))],
         # Every generated candidate's tokens count, as OpenAI bills best_of.
-        "usage": usage(requests, per_prompt),
+        "usage": usage(ctx, requests, per_prompt),
     }
     return JSONResponse(response)
 
@@ -130,7 +130,7 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, requests: list[R
                 choice["completion_token_ids"] = out.token_ids
             yield chunk([choice])
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage=usage(requests, per_prompt))
+            yield chunk([], usage=usage(ctx, requests, per_prompt))
     except APIError as e:
         yield sse({"error": {"message": e.message, "type": "internal_server_error", "code": e.status}})
     yield SSE_DONE
