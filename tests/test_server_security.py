@@ -95,6 +95,11 @@ def test_trusted_template_is_text_never_a_file(trusting_server, secret_file):
     # a real template string still works when trusted
     r = chat(trusting_server, chat_template="{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:")
     assert r.status_code == 200, r.text
+    # what real templates do stays allowed: JSON, indentation, wrapping, formatting, repetition, `~`
+    busy = ("{{ messages|tojson(indent=2)|indent(4) }}{{ ('word ' * 6)|wordwrap(12) }}{{ '%s: %d'|format('n', 3) }}"
+            "{{ '{}-{}'.format(1, 2) }}{{ '=' * 8 }}{% for m in messages %}{{ m.role ~ ': ' ~ m.content }}{% endfor %}")
+    r = chat(trusting_server, chat_template=busy, max_tokens=1)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("bomb", [

@@ -132,9 +132,14 @@ def _precheck(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         _refuse_over(4 * weight + (weight + 1) * per_item, "a JSON string")
     elif name == "translate" and isinstance(first, str) and len(args) > 1 and isinstance(args[1], dict):
         _refuse_over(len(first) * max([_weight(v) for v in args[1].values()] + [1]), "a translated string")
-    elif name in ("indent", "expandtabs", "wordwrap") and isinstance(first, str):
-        extra = max([_size(a) for a in (*args[1:], *kwargs.values())] + [8])
-        _refuse_over(len(first) * (extra + 1), f"a string from {name}")
+    elif name in ("indent", "expandtabs") and isinstance(first, str):  # a width per line / per tab
+        key = "width" if name == "indent" else "tabsize"
+        width = _size(kwargs.get(key, args[1] if len(args) > 1 else 8))
+        lines = first.count("\n" if name == "indent" else "\t") + 1
+        _refuse_over(len(first) + lines * width, f"a string from {name}")
+    elif name == "wordwrap" and isinstance(first, str):  # at most one wrapstring per character
+        wrap = kwargs.get("wrapstring", args[3] if len(args) > 3 else None)
+        _refuse_over(len(first) * (1 + max(_weight(wrap), 1)), "a wrapped string")
 
 
 def _call_name(obj: Any) -> str:
