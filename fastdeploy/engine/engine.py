@@ -10,13 +10,14 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 
 from fastdeploy.engine import guided_requests
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.request import Request, RequestMetrics, RequestOutput
+from fastdeploy.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
@@ -212,18 +213,39 @@ class LLMEngine:
         processor = self.output_processor
         tokens = output.sampled_token_ids
         for (request, position), top in zip(step.prompt_rows, output.prompt_logprobs):
-            processor.add_prompt_logprobs(request, position, top)
+            try:
+                processor.add_prompt_logprobs(request, position, top)
+            except Exception as e:  # noqa: BLE001 - fails this request only (see _fail_request)
+                self._fail_request(request, e, "prompt logprobs")
         for j, top in zip(step.model_input.logprob_rows.tolist(), output.logprobs):
             request = step.samplers[j]
             request.cumulative_logprob += top.target_logprob
-            if request.params.logprobs is not None:
-                processor.add_logprobs(request, tokens[j], top)
+            if request.params.logprobs is not None and request.error_code < 500:
+                try:
+                    processor.add_logprobs(request, tokens[j], top)
+                except Exception as e:  # noqa: BLE001
+                    self._fail_request(request, e, "logprobs")
         for request, token in zip(step.samplers, tokens):
-            events = processor.on_token(request, token)
+            if request.error_code >= 500:
+                continue
+            try:
+                events = processor.on_token(request, token)
+            except Exception as e:  # noqa: BLE001 - detokenizer, stop strings, reasoning
+                self._fail_request(request, e, "decoding")
+                continue
             if events.stop_string is not None:
                 self.scheduler.finish_request(request, "stop", events.stop_string)
             if events.forced_tokens:
                 request.forced_tokens = events.forced_tokens
+
+    def _fail_request(self, request: Request, error: BaseException, stage: str) -> None:
+        """A bug or a pathological output in one request's text side finishes that request alone (error 500,
+        blocks freed) so the batch goes on; its next make_output is the error. Holds the step lock or is
+        called on the stepping thread's make_output (which takes it)."""
+        logger.error("request %s failed in %s; finishing it alone", request.request_id, stage, exc_info=error)
+        request.error_code = 500
+        request.error_msg = f"internal error in this request's {stage}: {type(error).__name__}"
+        self.scheduler.finish_request(request, "abort")
 
     def abort_now(self, requests: list[Request]) -> None:
         """Abort these requests at once (after a step another thread is running) and drop their text
@@ -235,12 +257,39 @@ class LLMEngine:
         for request in requests:
             self.output_processor.release(request.request_id)
 
+    def abort_all(self) -> list[Request]:
+        """Abort every queued and running request at once and drop their text state (after a failed step,
+        whose batch state is unknown); the requests aborted."""
+        with self._step_lock:
+            requests = self._take_inbox() + list(self.scheduler.requests.values())
+            for request in requests:
+                self.scheduler.finish_request(request, "abort")
+        for request in requests:
+            self.output_processor.release(request.request_id)
+        return requests
+
     def make_output(self, request: Request, delta: bool = False) -> RequestOutput:
-        output = self.output_processor.make_output(request, delta)
-        if request.mm is not None:
-            output.num_input_image_tokens = request.mm.num_image_tokens
-            output.num_input_video_tokens = request.mm.num_video_tokens
-        return output
+        """The request's output (see OutputProcessor.make_output); a request failed by its text side gets an
+        output carrying its error_code 500 instead, and one whose make_output itself raises is failed so."""
+        if request.error_code < 500:
+            try:
+                output = self.output_processor.make_output(request, delta)
+            except Exception as e:  # noqa: BLE001 - reasoning / tool-call parsing of this request's text
+                with self._step_lock:  # the scheduler is the stepping threads' (LLM steps from several)
+                    self._fail_request(request, e, "output parsing")
+            else:
+                if request.mm is not None:
+                    output.num_input_image_tokens = request.mm.num_image_tokens
+                    output.num_input_video_tokens = request.mm.num_video_tokens
+                return output
+        state = self.output_processor.states.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id, prompt=state.prompt if state else None,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=CompletionOutput(index=state.index if state else 0, send_idx=max(request.num_output_tokens - 1, 0),
+                                     token_ids=[], text="", finish_reason=request.finish_reason),
+            finished=True, metrics=replace(request.metrics), num_cached_tokens=request.num_cached_tokens,
+            error_code=request.error_code, error_msg=request.error_msg)
 
 
 def best_candidates(candidates: list[Request]) -> list[Request]:

@@ -9,11 +9,10 @@ by max_tokens is not valid JSON, and then it stays text, as a malformed call doe
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fastdeploy.tool_parsers.parsers import ParsedCall, ToolCallSplit, ToolParser
+from fastdeploy.tool_parsers.parsers import ParsedCall, ToolCallSplit, ToolParser, dumps, loads
 
 
 def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
@@ -32,7 +31,7 @@ def forced_call_schema(tool_choice: str | Mapping[str, Any], tools: Sequence[Map
 
 
 def _arguments(value: Any) -> str | None:
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+    return dumps(value) if isinstance(value, dict) else None
 
 
 class NamedCallParser(ToolParser):
@@ -46,10 +45,7 @@ class NamedCallParser(ToolParser):
     def split(self, content: str, final: bool) -> ToolCallSplit:
         if not final:
             return ToolCallSplit("", [])
-        try:
-            arguments = _arguments(json.loads(content))
-        except ValueError:
-            arguments = None
+        arguments = _arguments(loads(content))
         if arguments is None:
             return ToolCallSplit(content, [])
         return ToolCallSplit("", [ParsedCall(self.function, arguments)])
@@ -63,10 +59,7 @@ class RequiredCallsParser(ToolParser):
     def split(self, content: str, final: bool) -> ToolCallSplit:
         if not final:
             return ToolCallSplit("", [])
-        try:
-            items = json.loads(content)
-        except ValueError:
-            items = None
+        items = loads(content)
         calls = []
         for item in items if isinstance(items, list) and items else [None]:
             arguments = _arguments(item.get("parameters")) if isinstance(item, dict) else None

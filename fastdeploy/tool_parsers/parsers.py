@@ -28,24 +28,37 @@ class ToolCallSplit:
     calls: list[ParsedCall]
 
 
+_INVALID = object()  # what loads() returns for text that is not (usable) JSON
+
+
+def loads(text: str) -> Any:
+    """json.loads, or _INVALID: deeply nested JSON (model output a client can steer) raises RecursionError,
+    which must leave the text unparsed like any other bad JSON rather than fail the request."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _INVALID
+
+
+def dumps(value: Any) -> str | None:
+    """json.dumps, or None when the value nests too deeply to encode."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return None
+
+
 def parse_call(body: str) -> ParsedCall | None:
     """`{"name": ..., "arguments": {...}}` -> a call; None if the body is not such an object. Arguments given
     as a string holding a JSON object are taken as that object; missing arguments are {}."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+    obj = loads(body)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     arguments: Any = obj.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+        arguments = loads(arguments)
+    text = dumps(arguments) if isinstance(arguments, dict) else None
+    return None if text is None else ParsedCall(obj["name"], text)
 
 
 class ToolParser(ABC):

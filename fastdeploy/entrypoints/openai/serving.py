@@ -138,6 +138,9 @@ async def request_outputs(ctx: ServingContext, requests: list[Request], queue: a
                 continue
             if isinstance(item, EngineFailed):
                 raise APIError(500, item.message)
+            if item.error_code >= 500:  # this request alone failed in the engine (its output processing)
+                remaining -= item.finished
+                raise APIError(item.error_code, item.error_msg or "internal error")
             remaining -= item.finished
             yield item
     finally:
