@@ -99,7 +99,7 @@ def test_video_url_equals_llm_chat():
 @pytest.mark.parametrize("url, message", [
     ("{host}/missing.png", "HTTP 404"),
     (data_url(b"not an image", "image/png"), "could not be decoded"),
-    ("/no/such/file.png", "could not read"),
+    ("/no/such/file.png", "not allowed on this server"),  # local paths need --allowed-local-media-path
 ])
 def test_bad_media_get_400_naming_the_problem(server, media_host, url, message):
     with pytest.raises(openai.BadRequestError, match=message) as caught:

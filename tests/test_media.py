@@ -50,10 +50,9 @@ def test_bad_sources_name_themselves(tmp_path, server, make, message):
         media.load_image(make(tmp_path, server))
 
 
-def test_downloads_over_the_size_limit_are_refused(server, monkeypatch):
-    monkeypatch.setattr(media, "MAX_FETCH_BYTES", 100)
+def test_downloads_over_the_size_limit_are_refused(server):
     with pytest.raises(ValueError, match="allowed"):
-        media.load_image(f"{server}/cat.png")
+        media.load_image(f"{server}/cat.png", media.MediaPolicy(max_bytes=100))
 
 
 def test_non_source_types_are_a_type_error():

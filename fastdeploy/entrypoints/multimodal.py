@@ -9,7 +9,7 @@ from typing import Any
 from fastdeploy.config import EngineConfig
 from fastdeploy.entrypoints.prompts import PROMPT_KEYS, Prepared, TextPrompts, render_chat_text, tokenize_prompt
 from fastdeploy.input.ernie4_5_vl_processor import MediaProcessor, media_of_messages, multimodal_data_media, prepare
-from fastdeploy.input.media import MediaError
+from fastdeploy.input.media import TRUSTED, MediaError, MediaPolicy
 from fastdeploy.input.tokenizer import Tokenizer
 
 
@@ -20,12 +20,14 @@ class MultimodalPrompts:
     media: MediaProcessor
 
     @classmethod
-    def create(cls, config: EngineConfig, tokenizer: Tokenizer) -> MultimodalPrompts | None:
-        """None for a text-only model."""
+    def create(cls, config: EngineConfig, tokenizer: Tokenizer,
+               policy: MediaPolicy = TRUSTED) -> MultimodalPrompts | None:
+        """None for a text-only model. `policy`: what reading media may do (the server's from its flags)."""
         vl = config.model_config.multimodal
         if vl is None:
             return None
-        media = MediaProcessor.from_pretrained(config.model, config.limit_mm_per_prompt, config.mm_processor_kwargs)
+        media = MediaProcessor.from_pretrained(config.model, config.limit_mm_per_prompt, config.mm_processor_kwargs,
+                                               policy)
         return cls(tokenizer, vl.tokens, media)
 
     def _prepare(self, text: str, images: list[Any], videos: list[Any]) -> Prepared:
@@ -54,6 +56,7 @@ class MultimodalPrompts:
         return self._prepare(text, *media_of_messages(conversation))
 
 
-def prompts_for(config: EngineConfig, tokenizer: Tokenizer) -> TextPrompts | MultimodalPrompts:
-    """How the model's prompts become token ids (and media inputs)."""
-    return MultimodalPrompts.create(config, tokenizer) or TextPrompts(tokenizer)
+def prompts_for(config: EngineConfig, tokenizer: Tokenizer,
+                policy: MediaPolicy = TRUSTED) -> TextPrompts | MultimodalPrompts:
+    """How the model's prompts become token ids (and media inputs); offline LLM reads media as trusted."""
+    return MultimodalPrompts.create(config, tokenizer, policy) or TextPrompts(tokenizer)

@@ -19,7 +19,7 @@ from PIL import Image
 
 from fastdeploy.input.ernie4_5_vl_positions import item_tokens, prompt_positions, token_types
 from fastdeploy.input.image_processor import ImageProcessorConfig, preprocess_image
-from fastdeploy.input.media import load_image
+from fastdeploy.input.media import TRUSTED, MediaPolicy, load_image
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.input.video_processor import VideoProcessorConfig, preprocess_frames, process_video
 
@@ -56,15 +56,19 @@ class MultimodalInputs:
 
 @dataclass(slots=True)
 class MediaProcessor:
-    """Per-LLM media settings: image / video processor configs and limit_mm_per_prompt."""
+    """Per-LLM media settings: image / video processor configs, limit_mm_per_prompt and the MediaPolicy
+    media are read under."""
 
     image_cfg: ImageProcessorConfig
     video_cfg: VideoProcessorConfig
     limits: dict[str, int]
+    policy: MediaPolicy = TRUSTED
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, limit_mm_per_prompt: Mapping[str, int] | None = None,
-                        mm_processor_kwargs: Mapping[str, Any] | None = None) -> MediaProcessor:
+                        mm_processor_kwargs: Mapping[str, Any] | None = None,
+                        policy: MediaPolicy = TRUSTED) -> MediaProcessor:
+        """limit_mm_per_prompt None: the policy's default limits (the server's), if any."""
         kwargs = dict(mm_processor_kwargs or {})
         unknown = sorted(set(kwargs) - set(MM_PROCESSOR_KEYS))
         if unknown:
@@ -73,7 +77,9 @@ class MediaProcessor:
         image = {k.removeprefix("image_"): v for k, v in kwargs.items() if k.startswith("image_")}
         video = {k.removeprefix("video_"): v for k, v in kwargs.items() if k.startswith("video_")}
         return cls(ImageProcessorConfig.from_pretrained(directory, **image),
-                   VideoProcessorConfig.from_pretrained(directory, **video), dict(limit_mm_per_prompt or {}))
+                   VideoProcessorConfig.from_pretrained(directory, **video),
+                   dict(limit_mm_per_prompt if limit_mm_per_prompt is not None else policy.limit_mm_per_prompt or {}),
+                   policy)
 
     def check_limits(self, images: int, videos: int) -> None:
         for kind, count in (("image", images), ("video", videos)):
@@ -82,7 +88,7 @@ class MediaProcessor:
                 raise ValueError(f"the prompt has {count} {kind}s, more than limit_mm_per_prompt[{kind!r}]={limit}")
 
     def image(self, source: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
-        patches, grid = preprocess_image(load_image(source), self.image_cfg)
+        patches, grid = preprocess_image(load_image(source, self.policy), self.image_cfg)
         return patches, tuple(int(v) for v in grid)
 
     def video(self, source: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -94,7 +100,9 @@ class MediaProcessor:
         if isinstance(frames, np.ndarray):
             patches, grid = preprocess_frames(frames, dataclasses.replace(self.video_cfg, draw_on_frames=False))
         else:
-            video = process_video(source, self.video_cfg)
+            if isinstance(source, Mapping):
+                self.policy.check_video_options(source)
+            video = process_video(source, self.video_cfg, self.policy)
             patches, grid = video.pixel_values, video.grid_thw
         return patches, tuple(int(v) for v in grid)
 

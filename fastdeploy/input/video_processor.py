@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from fastdeploy.input.image_processor import CLIP_MEAN, CLIP_STD, ImageProcessorConfig, patchify, smart_resize
-from fastdeploy.input.media import read_bytes
+from fastdeploy.input.media import TRUSTED, MediaPolicy, read_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def read_video(data: bytes, cfg: VideoProcessorConfig, name: str = "the video"
     return np.stack([kept[i] for i in indices]), indices, seconds
 
 
-def process_video(source: VideoSource, cfg: VideoProcessorConfig) -> ProcessedVideo:
+def process_video(source: VideoSource, cfg: VideoProcessorConfig, policy: MediaPolicy = TRUSTED) -> ProcessedVideo:
     """A video (bytes, a path, a file:// / data: / http(s) URL, or FastDeploy's dict {"video": <one of
     those>, "fps"/"min_frames"/"max_frames"/"target_frames"/"frames_sample": ...}) -> ProcessedVideo."""
     if isinstance(source, Mapping):
@@ -311,7 +311,7 @@ def process_video(source: VideoSource, cfg: VideoProcessorConfig) -> ProcessedVi
         source = options.pop("video")
         cfg = cfg.for_request(options)
     name = "the video bytes" if isinstance(source, (bytes, bytearray, memoryview)) else str(source)[:100]
-    frames, indices, seconds = read_video(read_bytes(source), cfg, name)
+    frames, indices, seconds = read_video(read_bytes(source, policy), cfg, name)
     pixel_values, grid = preprocess_frames(frames, cfg, seconds)
     if len(indices) % 2:
         indices, seconds = indices + indices[-1:], seconds + seconds[-1:]

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.entrypoints.multimodal import prompts_for
-from fastdeploy.entrypoints.openai.cli_args import api_keys, engine_config, make_parser
+from fastdeploy.entrypoints.openai.cli_args import api_keys, engine_config, make_parser, media_policy
 from fastdeploy.entrypoints.openai.engine_loop import EngineLoop
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -194,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         keys = api_keys(args)
         config = engine_config(args)
+        policy = media_policy(args)
     except (ValueError, TypeError, NotImplementedError) as e:
         parser.error(str(e))
     # A crash in native code then prints every thread's Python stack and the process dies of the signal.
@@ -203,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     registry = CollectorRegistry()
     loop = EngineLoop(engine, ServerMetrics(registry))
     name = config.served_model_name or served_name(args.model)
-    ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer), name,
+    ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer, policy), name,
                          args.max_concurrency, args.max_waiting_time if args.max_waiting_time >= 0 else None,
                          args.trust_request_chat_template, accepted_names=(args.model,),
                          prompt_tokens_details=args.enable_prompt_tokens_details)

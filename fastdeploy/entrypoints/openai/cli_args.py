@@ -12,11 +12,14 @@ from typing import Any
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.args_utils import ENGINE_FIELDS, EngineArgs
+from fastdeploy.input.media import FETCH_TIMEOUT_S, MAX_FETCH_BYTES, MAX_IMAGE_PIXELS, MediaPolicy
 from fastdeploy.not_implemented_args import NOT_IMPLEMENTED, refuse_not_implemented
 
 # FastDeploy's LLM keywords `port` and `metrics_port` are this server's own --port / --metrics-port (honoured).
 SERVER_OWN = frozenset({"port", "metrics_port"})
 NOT_IMPLEMENTED_FLAGS = [name for name in NOT_IMPLEMENTED if name not in SERVER_OWN]
+# The server's media limit per prompt when --limit-mm-per-prompt is not given (offline LLM has none).
+SERVER_LIMIT_MM_PER_PROMPT = {"image": 16, "video": 2}
 # FastDeploy's command-line forms that the default's type does not give: a list of class names, a tri-state switch.
 _FORMS: dict[str, dict[str, Any]] = {"logits_processors": {"nargs": "+"},
                                      "shutdown_comm_group_if_worker_idle": {"action": argparse.BooleanOptionalAction}}
@@ -116,6 +119,24 @@ def make_parser() -> argparse.ArgumentParser:
     server.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens (they tell a "
                              "client whether a prompt prefix was sent before, by anyone)")
+    media = parser.add_argument_group("media (ERNIE-4.5-VL; docs/security.md)")
+    media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="let requests name local files (paths, file://) whose real path, symlinks resolved, "
+                            "lies inside DIR (default: local files refused)")
+    media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="http(s) media and their redirects only from these host names (default: any host)")
+    media.add_argument("--max-media-bytes", type=int, default=MAX_FETCH_BYTES,
+                       help="bytes one image or video may have, however it is given (default: %(default)s)")
+    media.add_argument("--media-fetch-timeout", type=float, default=FETCH_TIMEOUT_S,
+                       help="seconds one http(s) media download may take in total, redirects included "
+                            "(default: %(default)s)")
+    media.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
+                       help="width x height an image may have, checked before decoding (default: %(default)s)")
+    media.add_argument("--max-video-frames", type=int, default=180,
+                       help="largest max_frames / min_frames / target_frames a request's video may ask for "
+                            "(default: %(default)s)")
+    media.add_argument("--max-video-fps", type=float, default=2.0,
+                       help="largest fps a request's video may ask for (default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = parser.add_argument_group("engine (the LLM(...) parameters)")
     for f in ENGINE_FIELDS:
@@ -151,3 +172,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         except NotImplementedError as e:
             raise NotImplementedError(f"--{name.replace('_', '-')}: {e}") from None
     return EngineArgs.from_cli_args(args).create_engine_config()
+
+
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
+    """The server's MediaPolicy of the media flags (ValueError naming a bad one)."""
+    return MediaPolicy(allowed_local_media_path=args.allowed_local_media_path,
+                       allowed_media_domains=tuple(args.allowed_media_domains)
+                       if args.allowed_media_domains is not None else None,
+                       max_bytes=args.max_media_bytes, fetch_timeout=args.media_fetch_timeout,
+                       max_image_pixels=args.max_image_pixels, limit_mm_per_prompt=SERVER_LIMIT_MM_PER_PROMPT,
+                       max_video_frames=args.max_video_frames, max_video_fps=args.max_video_fps)
