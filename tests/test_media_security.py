@@ -131,6 +131,7 @@ def test_local_files_only_inside_the_allowed_dir(media_dir):
                    str(media_dir / "escape.png"), f"file://{media_dir / 'escape.png'}", "/dev/zero"):
         with pytest.raises(ValueError, match="outside the allowed"):
             read_bytes(source, policy)
+    assert read_bytes(str(media_dir / "escape.png"), TRUSTED) == b"secret"  # offline LLM: its caller is trusted
 
 
 def test_devices_are_refused_even_when_allowed():

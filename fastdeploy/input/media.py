@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_S = 10.0
 MAX_FETCH_BYTES = 64 << 20  # larger media are refused, not truncated
+TRUSTED_MAX_BYTES = 2 << 30
 MAX_IMAGE_PIXELS = 64 << 20  # 8192 x 8192: ~192 MB once decoded to RGB
 MAX_REDIRECTS = 5
 _CHUNK = 1 << 16
@@ -85,8 +86,10 @@ class MediaPolicy:
 
     @classmethod
     def trusted(cls) -> MediaPolicy:
-        """Offline LLM's: any local file, any host; images up to where Pillow itself gives up."""
-        return cls(allowed_local_media_path="/", max_image_pixels=2 * Image.MAX_IMAGE_PIXELS)
+        """Offline LLM's: any local file, any host, items up to 2 GiB (long local videos); images up to where
+        Pillow itself gives up."""
+        return cls(allowed_local_media_path="/", max_bytes=TRUSTED_MAX_BYTES,
+                   max_image_pixels=2 * Image.MAX_IMAGE_PIXELS)
 
     def check_video_options(self, options: Mapping[str, Any]) -> None:
         """A request's video options may lower the server's frames / fps, not raise them past the caps."""
