@@ -106,6 +106,22 @@ def test_llm_request_fault_fails_that_request_alone(llm, alone, monkeypatch, met
     assert llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs.token_ids == alone[PROMPTS[0]].token_ids
 
 
+def test_llm_grammar_fault_fails_that_request_alone(llm, alone, monkeypatch):
+    from fastdeploy.engine.sampling_params import GuidedDecodingParams
+    from fastdeploy.guided.matcher import GrammarState
+
+    def sync(self, output_ids):
+        raise Injected("injected")
+    monkeypatch.setattr(GrammarState, "sync", sync)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    guided = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, guided_decoding=GuidedDecodingParams(regex="a+"))
+    outputs = llm.generate(PROMPTS + [PROMPTS[0]], [params] * len(PROMPTS) + [guided], use_tqdm=False)
+    assert outputs[-1].error_code == 500 and "Injected" in outputs[-1].error_msg
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.error_code == 200 and out.outputs.token_ids == alone[prompt].token_ids, prompt
+    assert not llm.engine.has_unfinished() and not llm.engine.output_processor.states
+
+
 # ---- server, in process: the app and the engine loop as api_server.main() builds them ---------------------------
 class LoopThread:
     """The EngineLoop on a thread (main() runs it on the main thread); records how run() ended."""

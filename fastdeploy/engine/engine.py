@@ -193,7 +193,8 @@ class LLMEngine:
                 if masks is not None:
                     masks.wait()  # the matchers are not touched again before their masks are done
             stepped = self.scheduler.update_from_output(step, output)
-            guided_requests.advance(self.scheduler, step.samplers)
+            guided_requests.advance(self.scheduler, step.samplers,
+                                    lambda request, e: self._fail_request(request, e, "guided decoding"))
             self._process_text(step, output)
             guided_requests.activate_after_reasoning(self.output_processor, step.samplers)
             return aborted + stepped

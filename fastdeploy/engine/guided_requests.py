@@ -8,7 +8,7 @@ end-of-thinking tokens have been emitted.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -51,15 +51,22 @@ def start_masks(guided: GuidedDecoding, step: ScheduledStep) -> GrammarMasks | N
     return masks
 
 
-def advance(scheduler: Scheduler, samplers: Sequence[Request]) -> None:
+def advance(scheduler: Scheduler, samplers: Sequence[Request],
+            on_error: Callable[[Request, Exception], None]) -> None:
     """After the scheduler applied a step: feed each constrained request's new tokens to its matcher. A
     completed grammar finishes the request ("stop"); a token the grammar rejects (only possible for a
-    token the grammar did not choose, e.g. forced) fails it."""
+    token the grammar did not choose, e.g. forced) fails it; a matcher that raises fails its request
+    alone (on_error)."""
     for request in samplers:
         state = request.grammar
         if state is None or not state.active or request.is_finished:
             continue
-        if state.conflict is not None or not state.sync(request.output_token_ids):
+        try:
+            synced = state.conflict is None and state.sync(request.output_token_ids)
+        except Exception as e:  # noqa: BLE001 - this request's grammar only
+            on_error(request, e)
+            continue
+        if not synced:
             request.error_code = 400
             request.error_msg = state.conflict or \
                 f"the output left the guided_decoding grammar: {state.matcher.get_error()}"
