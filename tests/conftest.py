@@ -112,11 +112,20 @@ def serve_files(files: Mapping[str, bytes]) -> Iterator[str]:
         def log_message(self, *args):
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    with serve(Handler) as url:
+        yield url
+
+
+@contextmanager
+def serve(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A threaded http server on 127.0.0.1 with this handler, on a free port; yields its base URL."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}"
     finally:
         httpd.shutdown()
+        httpd.server_close()
         thread.join(10)

@@ -28,6 +28,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str) -> None:
+    """Until the server process at `url` answers /health with 200, at most TIMEOUT_S; raises if it exits first."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{proc.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
 class Server:
     def __init__(self, model: str, *flags: str):
         self.port = free_port()
@@ -36,17 +51,7 @@ class Server:
             [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
              "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning", *flags],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.proc.stderr.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(self.proc, self.url)
 
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, timeout=TIMEOUT_S, max_retries=0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import http.server
 import io
 import struct
-import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -19,6 +18,8 @@ from pathlib import Path
 import openai
 import pytest
 from PIL import Image
+
+from conftest import serve
 
 from fastdeploy.input.ernie4_5_vl_processor import MediaProcessor
 from fastdeploy.input.media import TRUSTED, MediaPolicy, load_image, read_bytes
@@ -87,16 +88,8 @@ def media_server() -> Iterator[str]:
         def log_message(self, *args):
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(10)
+    with serve(Handler) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

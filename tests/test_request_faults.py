@@ -18,7 +18,7 @@ from fastdeploy.entrypoints.openai.serving import ServingContext
 from fastdeploy.output.output_processor import OutputProcessor
 from fastdeploy.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 from fastdeploy.tool_parsers.parsers import ErnieX1ToolParser, HermesToolParser
-from test_api_server import ROOT, free_port
+from test_api_server import ROOT, free_port, wait_until_healthy
 
 DEPTH = 10_000
 MARK = "POISON"
@@ -244,16 +244,7 @@ def test_server_process_exits_nonzero_when_its_loop_dies(tiny_hf):
                              "--port", str(port), "--max-model-len", "256", "--log-level", "warning"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(proc, url)
         body = {"model": tiny_hf, "prompt": "hello", "max_tokens": 4}
         for _ in range(3):
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S)
