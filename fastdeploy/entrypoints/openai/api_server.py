@@ -32,7 +32,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.entrypoints.multimodal import prompts_for
-from fastdeploy.entrypoints.openai.cli_args import api_keys, engine_config, make_parser, media_policy
+from fastdeploy.entrypoints.openai.cli_args import (MAX_REQUEST_BODY_BYTES, api_keys, engine_config, make_parser,
+                                                    media_policy, request_limits)
 from fastdeploy.entrypoints.openai.engine_loop import EngineLoop
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -44,7 +45,7 @@ logger = logging.getLogger("fastdeploy.api_server")
 
 
 # Error types of the statuses protocol.ERROR_TYPES leaves generic.
-_MORE_ERROR_TYPES = {405: "invalid_request_error", 415: "invalid_request_error"}
+_MORE_ERROR_TYPES = {405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error"}
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -62,11 +63,13 @@ def _is_json(headers: dict[bytes, bytes]) -> bool:
 class Gatekeeper:
     """ASGI middleware (pure, so streaming and client disconnects pass straight through): 503 while
     shutting down, 401 on /v1 without one of the API keys, 415 for a POST body that is not declared JSON
-    (a web page can send a form or text/plain body cross-site without a CORS preflight, never JSON)."""
+    (a web page can send a form or text/plain body cross-site without a CORS preflight, never JSON), 413 for a
+    POST body over max_body_bytes: from its Content-Length before reading, or once a chunked body passes it."""
 
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str] | None):
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str] | None, max_body_bytes: int = MAX_REQUEST_BODY_BYTES):
         self.app = app
         self.api_keys = [f"Bearer {k}".encode() for k in api_keys or ()]
+        self.max_body_bytes = max_body_bytes
         self.draining = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -80,10 +83,58 @@ class Gatekeeper:
                 refusal = error_response(401, "missing or wrong API key: send `Authorization: Bearer KEY`")
             elif scope["method"] == "POST" and not _is_json(headers):
                 refusal = error_response(415, "the body must be JSON sent with `Content-Type: application/json`")
+            elif scope["method"] == "POST" and _declared_length(headers) > self.max_body_bytes:
+                refusal = self._too_large()
+            elif scope["method"] == "POST":
+                # The endpoints parse the whole JSON body anyway: read it here, stopping at the limit, and
+                # hand it on (later receives, e.g. disconnect polls, go to the client's connection).
+                body = await _read_body(receive, self.max_body_bytes)
+                if body is None:
+                    refusal = self._too_large()
+                else:
+                    receive = _replay(body, receive)
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(413, f"the request body is larger than --max-request-body-bytes={self.max_body_bytes}")
+
+
+def _declared_length(headers: dict[bytes, bytes]) -> int:
+    try:
+        return int(headers.get(b"content-length", b"0"))
+    except ValueError:
+        return 0  # h11 refuses a malformed Content-Length before the app sees it; the read bound still holds
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None as soon as it passes `limit` bytes (the rest is never read)."""
+    parts, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left: an empty body, the app sees it go
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        more = message.get("more_body", False)
+    return b"".join(parts)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replayed() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replayed
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -98,7 +149,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def build_app(ctx: ServingContext, api_keys: Sequence[str] | None = None,
-              registry: CollectorRegistry | None = None) -> Gatekeeper:
+              registry: CollectorRegistry | None = None, max_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> Gatekeeper:
     """The API app behind its gatekeeper (which also switches to draining); /metrics from `registry`
     if given."""
     app = FastAPI(title="FastDeploy OpenAI-compatible API", docs_url=None, redoc_url=None)
@@ -162,7 +213,7 @@ def build_app(ctx: ServingContext, api_keys: Sequence[str] | None = None,
         async def metrics() -> Response:
             return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    return Gatekeeper(app, api_keys)
+    return Gatekeeper(app, api_keys, max_body_bytes)
 
 
 def served_name(model: str) -> str:
@@ -195,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         keys = api_keys(args)
         config = engine_config(args)
         policy = media_policy(args)
+        limits = request_limits(args)
     except (ValueError, TypeError, NotImplementedError) as e:
         parser.error(str(e))
     # A crash in native code then prints every thread's Python stack and the process dies of the signal.
@@ -207,8 +259,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer, policy), name,
                          args.max_concurrency, args.max_waiting_time if args.max_waiting_time >= 0 else None,
                          args.trust_request_chat_template, accepted_names=(args.model,),
-                         prompt_tokens_details=args.enable_prompt_tokens_details)
-    gate = build_app(ctx, keys, registry if args.metrics_port is None else None)
+                         prompt_tokens_details=args.enable_prompt_tokens_details, limits=limits)
+    gate = build_app(ctx, keys, registry if args.metrics_port is None else None, args.max_request_body_bytes)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host, registry=registry)
     server = uvicorn.Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.args_utils import ENGINE_FIELDS, EngineArgs
+from fastdeploy.entrypoints.openai.serving import RequestLimits
 from fastdeploy.input.media import FETCH_TIMEOUT_S, MAX_FETCH_BYTES, MAX_IMAGE_PIXELS, MediaPolicy
 from fastdeploy.not_implemented_args import NOT_IMPLEMENTED, refuse_not_implemented
 
@@ -20,6 +21,9 @@ SERVER_OWN = frozenset({"port", "metrics_port"})
 NOT_IMPLEMENTED_FLAGS = [name for name in NOT_IMPLEMENTED if name not in SERVER_OWN]
 # The server's media limit per prompt when --limit-mm-per-prompt is not given (offline LLM has none).
 SERVER_LIMIT_MM_PER_PROMPT = {"image": 16, "video": 2}
+# POST bodies over this get 413. Under the issue's 64 MiB test body; a data: URL (base64, 4/3 of the bytes) of
+# an image up to ~24 MiB fits; larger media go by URL, or raise the flag with --max-media-bytes.
+MAX_REQUEST_BODY_BYTES = 32 << 20
 # FastDeploy's command-line forms that the default's type does not give: a list of class names, a tri-state switch.
 _FORMS: dict[str, dict[str, Any]] = {"logits_processors": {"nargs": "+"},
                                      "shutdown_comm_group_if_worker_idle": {"action": argparse.BooleanOptionalAction}}
@@ -106,8 +110,21 @@ def make_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key-file", action="append", default=None, metavar="FILE",
                         help="read API keys from FILE, one per line (keeps them out of `ps` and the shell history); "
                              "adds to --api-key")
-    server.add_argument("--max-concurrency", type=int, default=None,
-                        help="API calls served at once; more get HTTP 429 (default: unlimited)")
+    server.add_argument("--max-concurrency", type=int, default=512,
+                        help="API calls served at once; more get HTTP 429 (FastDeploy's default: %(default)s)")
+    limits = RequestLimits()
+    server.add_argument("--max-n", type=int, default=limits.max_n,
+                        help="largest n / best_of of a request; more is HTTP 400 (default: %(default)s)")
+    server.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings,
+                        help="stop strings, and bad words, a request may send; more is HTTP 400 (default: %(default)s)")
+    server.add_argument("--max-stop-string-chars", type=int, default=limits.max_stop_string_chars,
+                        help="characters one stop string or bad word may have; more is HTTP 400 "
+                             "(default: %(default)s)")
+    server.add_argument("--max-prompts", type=int, default=limits.max_prompts,
+                        help="prompts one /v1/completions call may send; more is HTTP 400 (default: %(default)s)")
+    server.add_argument("--max-request-body-bytes", type=int, default=MAX_REQUEST_BODY_BYTES,
+                        help="bytes a POST body may have; more get HTTP 413, a chunked body as soon as it passes "
+                             "the limit (default: %(default)s)")
     server.add_argument("--max-waiting-time", type=_seconds, default=-1,
                         help="seconds a request may wait for a seat in the running batch; one still waiting then "
                              "fails with HTTP 408 (negative: no limit) (default: %(default)s)")
@@ -182,3 +199,12 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
                        max_bytes=args.max_media_bytes, fetch_timeout=args.media_fetch_timeout,
                        max_image_pixels=args.max_image_pixels, limit_mm_per_prompt=SERVER_LIMIT_MM_PER_PROMPT,
                        max_video_frames=args.max_video_frames, max_video_fps=args.max_video_fps)
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """The per-request limits of their flags (ValueError naming one below 1)."""
+    for name in ("max_n", "max_stop_strings", "max_stop_string_chars", "max_prompts", "max_request_body_bytes",
+                 "max_concurrency"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return RequestLimits(args.max_n, args.max_stop_strings, args.max_stop_string_chars, args.max_prompts)

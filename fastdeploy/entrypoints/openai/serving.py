@@ -36,6 +36,34 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one API call may ask for (the server's --max-* flags); past one is a 400 naming the field, before
+    any work. n / best_of: each sample is an engine request built on the event loop and a seat in the batch;
+    16 covers best-of-n use while one call cannot fill the batch. Stop strings and bad words: each is matched
+    against every output step, so their count and length bound that work; generous next to OpenAI's 4 stops."""
+
+    max_n: int = 16
+    max_stop_strings: int = 16  # stop strings, and bad words, per request
+    max_stop_string_chars: int = 512
+    max_prompts: int = 256  # prompts of one /v1/completions call
+
+    def check(self, body: Any) -> None:
+        for name in ("n", "best_of"):
+            value = getattr(body, name, None)
+            if value is not None and value > self.max_n:
+                raise APIError(400, f"{name} ({value}) is over this server's --max-n={self.max_n}", name)
+        for name in ("stop", "bad_words"):
+            strings = getattr(body, name, None)
+            strings = [strings] if isinstance(strings, str) else strings or []
+            if len(strings) > self.max_stop_strings:
+                raise APIError(400, f"{name} has {len(strings)} strings, over this server's "
+                                    f"--max-stop-strings={self.max_stop_strings}", name)
+            if any(len(s) > self.max_stop_string_chars for s in strings):
+                raise APIError(400, f"{name}: a string is longer than this server's "
+                                    f"--max-stop-string-chars={self.max_stop_string_chars}", name)
+
+
 @dataclass
 class ServingContext:
     engine: LLMEngine
@@ -51,8 +79,10 @@ class ServingContext:
     in_flight: int = 0  # API calls being served (touched only on the event loop)
     # Other names a request may use (the --model argument as typed: clients that send it keep working).
     accepted_names: tuple[str, ...] = ()
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def check_model(self, name: str | None) -> None:
+        """The request names a model this server serves (404 if not); called first by each endpoint."""
         if name is not None and name != self.model_name and name not in self.accepted_names:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
                            "model")

@@ -38,6 +38,7 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: in
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, http: HTTPRequest) -> Response:
     ctx.check_model(body.model)
+    ctx.limits.check(body)
     if not body.messages:
         raise APIError(400, "messages must be a non-empty list of {'role', 'content'} objects", "messages")
     params = sampling_params(body.to_sampling_params)

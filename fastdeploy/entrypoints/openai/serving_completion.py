@@ -27,6 +27,9 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prepared]:
         prompt = [prompt]
     if not prompt or any(len(p) == 0 for p in prompt):
         raise APIError(400, "prompt must be a non-empty string, list of strings or list of token ids", "prompt")
+    if len(prompt) > ctx.limits.max_prompts:
+        raise APIError(400, f"prompt holds {len(prompt)} prompts, over this server's "
+                            f"--max-prompts={ctx.limits.max_prompts}", "prompt")
     tokenizer = ctx.engine.tokenizer
     return [(p, tokenizer.encode(p), None) if isinstance(p, str) else (None, list(p), None) for p in prompt]
 
@@ -47,6 +50,7 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, http: HTTPRequest) -> Response:
     ctx.check_model(body.model)
+    ctx.limits.check(body)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (it needs the prompt's logprobs)", "echo")
     params = sampling_params(body.to_sampling_params)
