@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fastdeploy.entrypoints.openai.cli_args import MAX_REQUEST_BODY_BYTES, make_parser
+from fastdeploy.entrypoints.openai.cli_args import MAX_REQUEST_BODY_BYTES, make_parser, request_limits
 from tests.test_api_server import MESSAGES, TIMEOUT_S, Server
 
 MiB = 1 << 20
@@ -116,3 +116,12 @@ def test_over_a_limit_is_400_naming_the_field(server: Server, path: str, field: 
     body.update(extra)
     assert_error(post(server, path, **body), 400, field)
     assert_healthy(server)
+
+
+@pytest.mark.parametrize("flag", ["--max-n", "--max-stop-strings", "--max-stop-string-chars", "--max-prompts",
+                                  "--max-request-body-bytes", "--max-concurrency"])
+def test_a_limit_below_one_is_refused_at_start_up(flag: str) -> None:
+    args = make_parser().parse_args(["--model", "m", flag, "0"])
+    with pytest.raises(ValueError, match=flag):
+        request_limits(args)
+    assert request_limits(make_parser().parse_args(["--model", "m", flag, "1"])) is not None
