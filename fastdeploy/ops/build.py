@@ -103,8 +103,8 @@ def sanitizer_env() -> dict[str, str]:
     libs/ directory (MKL, which it opens on first use) goes on the library path instead."""
     preload = f"{_compiler_library('libasan.so')} {_compiler_library('libstdc++.so')}"
     paddle_libs = str(Path(paddle.__file__).resolve().parent / "libs")
-    library_path = os.pathsep.join(p for p in (paddle_libs, os.environ.get("LD_LIBRARY_PATH")) if p)
-    return {**os.environ, "LD_PRELOAD": preload, "LD_LIBRARY_PATH": library_path, **SANITIZER_OPTIONS}
+    library_path = os.pathsep.join(p for p in (paddle_libs, os.environ.get("LD_LIBRARY_PATH")) if p)  # env-ok
+    return {**os.environ, "LD_PRELOAD": preload, "LD_LIBRARY_PATH": library_path, **SANITIZER_OPTIONS}  # env-ok
 
 
 def source_digest(source_dir: Path, sanitize: bool = False) -> str:

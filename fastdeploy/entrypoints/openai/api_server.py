@@ -44,15 +44,9 @@ from fastdeploy.entrypoints.openai.serving_completion import create_completion
 logger = logging.getLogger("fastdeploy.api_server")
 
 
-# Error types of the statuses protocol.ERROR_TYPES leaves generic.
-_MORE_ERROR_TYPES = {405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error"}
-
-
 def error_response(status: int, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = error_body(status, message, param)
-    body["error"]["type"] = _MORE_ERROR_TYPES.get(status, body["error"]["type"])
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def _is_json(headers: dict[bytes, bytes]) -> bool:

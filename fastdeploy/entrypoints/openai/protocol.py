@@ -128,7 +128,9 @@ class ErrorResponse(BaseModel):
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               408: "timeout_error", 429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
+               405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+               503: "service_unavailable"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
