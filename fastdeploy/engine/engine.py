@@ -10,14 +10,13 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import replace
 
 import numpy as np
 
 from fastdeploy.engine import guided_requests
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput
+from fastdeploy.engine.request import Request, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
@@ -283,14 +282,7 @@ class LLMEngine:
                     output.num_input_image_tokens = request.mm.num_image_tokens
                     output.num_input_video_tokens = request.mm.num_video_tokens
                 return output
-        state = self.output_processor.states.pop(request.request_id, None)
-        return RequestOutput(
-            request_id=request.request_id, prompt=state.prompt if state else None,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=CompletionOutput(index=state.index if state else 0, send_idx=max(request.num_output_tokens - 1, 0),
-                                     token_ids=[], text="", finish_reason=request.finish_reason),
-            finished=True, metrics=replace(request.metrics), num_cached_tokens=request.num_cached_tokens,
-            error_code=request.error_code, error_msg=request.error_msg)
+        return self.output_processor.failed_output(request)
 
 
 def best_candidates(candidates: list[Request]) -> list[Request]:

@@ -175,6 +175,17 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens, error_code=request.error_code,
             error_msg=request.error_msg, prompt_logprobs=prompt_logprobs)
 
+    def failed_output(self, request: Request) -> RequestOutput:
+        """The final output of a request whose text side failed (error_code 500): no text; its state dropped."""
+        state = self.states.pop(request.request_id, None)
+        completion = CompletionOutput(index=state.index if state else 0, send_idx=max(request.num_output_tokens - 1, 0),
+                                      token_ids=[], text="", finish_reason=request.finish_reason)
+        return RequestOutput(
+            request_id=request.request_id, prompt=state.prompt if state else None,
+            prompt_token_ids=request.prompt_token_ids, outputs=completion, finished=True,
+            metrics=replace(request.metrics), num_cached_tokens=request.num_cached_tokens,
+            error_code=request.error_code, error_msg=request.error_msg)
+
     def logprob_entry(self, token: int, top: TopLogprobs) -> dict[int, Logprob]:
         """{token_id: Logprob} for the top-k plus the chosen token (ranks are 1-based)."""
         entry = {int(t): Logprob(float(lp), i + 1, self.decode_one(int(t)))
