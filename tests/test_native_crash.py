@@ -109,4 +109,5 @@ def test_a_crashing_server_dumps_its_python_stacks_and_exits(tiny_hf):
             server.proc.wait()
     assert server.proc.returncode == -signal.SIGSEGV
     assert "Fatal Python error: Segmentation fault" in err  # faulthandler, then the default disposition
-    assert "in run" in err  # the main thread's stack: the engine loop
+    # a Python stack of the process's threads (which frames they are in depends on when the signal lands)
+    assert "(most recent call first):" in err and 'File "' in err
