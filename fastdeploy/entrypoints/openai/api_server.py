@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, start_http_server
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fastdeploy.engine.engine import LLMEngine
@@ -37,7 +37,7 @@ from fastdeploy.entrypoints.openai.cli_args import (MAX_REQUEST_BODY_BYTES, api_
 from fastdeploy.entrypoints.openai.engine_loop import EngineLoop
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from fastdeploy.entrypoints.openai.serving import APIError, ServingContext
+from fastdeploy.entrypoints.openai.serving import APIError, EventStream, ServingContext
 from fastdeploy.entrypoints.openai.serving_chat import create_chat_completion
 from fastdeploy.entrypoints.openai.serving_completion import create_completion
 
@@ -174,8 +174,8 @@ def build_app(ctx: ServingContext, api_keys: Sequence[str] | None = None,
         except BaseException:
             ctx.release()
             raise
-        if isinstance(response, StreamingResponse):
-            response.body_iterator = _released(response.body_iterator, ctx)
+        if isinstance(response, EventStream):  # the slot is held until the stream ends, however it ends
+            response.on_close.append(ctx.release)
         else:
             ctx.release()
         return response
@@ -215,14 +215,6 @@ def served_name(model: str) -> str:
     disk is no client's business), a hub repo id as given."""
     path = Path(model)
     return path.resolve().name or model if path.exists() else model
-
-
-async def _released(body: AsyncIterator[Any], ctx: ServingContext) -> AsyncIterator[Any]:
-    try:
-        async for part in body:
-            yield part
-    finally:
-        ctx.release()
 
 
 def _serve_http(server: uvicorn.Server, loop: EngineLoop) -> None:

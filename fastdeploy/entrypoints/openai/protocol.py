@@ -129,7 +129,8 @@ class ErrorResponse(BaseModel):
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+               415: "invalid_request_error", 429: "rate_limit_error",
+               499: "client_closed_request", 500: "internal_server_error",
                503: "service_unavailable"}
 
 

@@ -12,7 +12,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.request import Logprob, Request, RequestOutput
@@ -22,7 +25,6 @@ from fastdeploy.entrypoints.prompts import Prepared, TextPrompts
 from fastdeploy.entrypoints.openai.engine_loop import EngineFailed, EngineLoop
 from fastdeploy.tool_parsers.parsers import ToolParser
 
-_DISCONNECT_POLL_S = 1.0  # a non-streaming call checks this often whether its client is still there
 # Under --max-waiting-time a call checks this often whether the engine loop (another thread) has scheduled
 # its requests; a poll, because a scheduled request need not produce output in that step (chunked prefill).
 _SCHEDULED_POLL_S = 0.01
@@ -106,49 +108,78 @@ def sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
         raise APIError(400, str(e), name if name.isidentifier() else None) from None
 
 
-def make_requests(ctx: ServingContext, prompts: Sequence[Prepared], params: SamplingParams,
-                  start: float, enable_thinking: bool = True, tool_calls: bool | ToolParser = False
-                  ) -> list[Request]:
-    """The engine requests of one API call (n per prompt, indexed prompt by prompt); a prompt the engine
-    rejects (too long, ids out of range, ...) fails the whole call with its message. tool_calls: parse
+async def make_requests(ctx: ServingContext, prompts: Sequence[Prepared], params: SamplingParams,
+                        start: float, enable_thinking: bool = True, tool_calls: bool | ToolParser = False
+                        ) -> list[Request]:
+    """The engine requests of one API call (n per prompt, indexed prompt by prompt), made on a worker thread
+    (guided decoding compiles its grammars there), off the event loop. A prompt the
+    engine rejects (too long, ids out of range, ...) fails the whole call with its message. tool_calls: parse
     tool calls from the outputs."""
-    requests: list[Request] = []
+    def make() -> list[Request]:
+        requests: list[Request] = []
+        try:
+            for text, ids, mm in prompts:
+                requests += ctx.engine.make_requests(text, ids, params, len(requests), start, enable_thinking, mm,
+                                                     tool_calls=tool_calls)
+        except (ValueError, TypeError) as e:
+            _release(ctx, requests)
+            raise APIError(400, str(e)) from None
+        return requests
+
+    # Shielded: the thread runs on if the call is cancelled, and its requests' text state must then be dropped.
+    made = asyncio.ensure_future(run_in_threadpool(make))
     try:
-        for text, ids, mm in prompts:
-            requests += ctx.engine.make_requests(text, ids, params, len(requests), start, enable_thinking, mm,
-                                                 tool_calls=tool_calls)
-    except (ValueError, TypeError) as e:
-        raise APIError(400, str(e)) from None
+        requests = await asyncio.shield(made)
+    except asyncio.CancelledError:
+        made.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(ctx, f.result()))
+        raise
     rejected = next((r for r in requests if r.error_code != 200), None)
     if rejected is not None:
-        for request in requests:
-            ctx.engine.output_processor.release(request.request_id)
+        _release(ctx, requests)
         raise APIError(rejected.error_code, rejected.error_msg or "invalid request")
     return requests
 
 
-async def submit(ctx: ServingContext, requests: list[Request]) -> asyncio.Queue:
+def _release(ctx: ServingContext, requests: Sequence[Request]) -> None:
+    for request in requests:
+        ctx.engine.output_processor.release(request.request_id)
+
+
+async def client_gone(http: HTTPRequest) -> None:
+    """Returns once the HTTP client has disconnected. The endpoint has read the whole body, so uvicorn's
+    receive() has nothing more to say until the client leaves (or the response is complete)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def submit(ctx: ServingContext, requests: list[Request], http: HTTPRequest) -> asyncio.Queue:
     """Queue the requests of one API call for the engine; the queue their outputs arrive on. With
     --max-waiting-time, first wait until the engine has scheduled each of them: if one is still waiting for a
     seat in the running batch after that many seconds, all are aborted and the call fails with HTTP 408
-    (FastDeploy's status for it), before a stream's response starts."""
+    (FastDeploy's status for it), before a stream's response starts. A client that leaves meanwhile has its
+    requests aborted (the call then ends with 499, which nobody reads)."""
     queue = ctx.loop.submit(requests)
     if ctx.max_waiting_time is None:
         return queue
     deadline = time.monotonic() + ctx.max_waiting_time
+    gone = asyncio.ensure_future(client_gone(http))
     try:
         # A failed engine schedules nothing: request_outputs then reports the failure (500), not a timeout.
         while not ctx.loop.failed and any(r.metrics.inference_start_time is None and not r.is_finished
                                           for r in requests):
             left = deadline - time.monotonic()
+            if gone.done():
+                raise APIError(499, "the client disconnected")
             if left <= 0:
                 raise APIError(408, f"the request waited more than --max-waiting-time={ctx.max_waiting_time:g} s "
                                     f"for a seat in the running batch (--max-num-seqs="
                                     f"{ctx.engine.config.max_num_seqs}); retry later")
             await asyncio.sleep(min(left, _SCHEDULED_POLL_S))
-    except BaseException:  # timed out, or the call was cancelled while waiting
+    except BaseException:  # timed out, the client left, or the call was cancelled while waiting
         ctx.loop.abort(requests)
         raise
+    finally:
+        gone.cancel()
     return queue
 
 
@@ -156,16 +187,15 @@ async def request_outputs(ctx: ServingContext, requests: list[Request], queue: a
                           http: HTTPRequest | None = None) -> AsyncIterator[RequestOutput]:
     """Every output delta of the submitted requests (`queue`: what submit() returned) until all are finished.
     If the caller stops listening (a streaming client went away: the task is cancelled) or `http`'s client
-    disconnects, the unfinished requests are aborted and their KV blocks freed at the next step."""
+    disconnects (noticed at once, while outputs flow too), the unfinished requests are aborted and their KV
+    blocks freed at the next step."""
     remaining = len(requests)
+    gone = asyncio.ensure_future(client_gone(http)) if http is not None else None
     try:
         while remaining:
-            try:
-                item = await asyncio.wait_for(queue.get(), _DISCONNECT_POLL_S) if http else await queue.get()
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return
-                continue
+            item = await _next_output(queue, gone)
+            if item is None:
+                raise APIError(499, "the client disconnected")  # nobody reads it
             if isinstance(item, EngineFailed):
                 raise APIError(500, item.message)
             if item.error_code >= 500:  # this request alone failed in the engine (its output processing)
@@ -174,8 +204,39 @@ async def request_outputs(ctx: ServingContext, requests: list[Request], queue: a
             remaining -= item.finished
             yield item
     finally:
+        if gone is not None:
+            gone.cancel()
         if remaining:
             ctx.loop.abort(requests)
+
+
+async def _next_output(queue: asyncio.Queue, gone: asyncio.Future | None) -> Any:
+    """The next item on the queue, or None if `gone` (the client's disconnect) comes first."""
+    if gone is None or not queue.empty():
+        return await queue.get()
+    get = asyncio.ensure_future(queue.get())
+    try:
+        await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+        return get.result() if get.done() else None
+    finally:
+        get.cancel()  # asyncio.Queue.get gives up its place without losing an item
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that aborts its call's unfinished requests and runs `on_close` (the server's slot
+    release) when it ends, however it ends: done, its client gone mid-stream, or gone before the first byte
+    (Starlette then cancels the body before it starts, so a `finally` inside the body would never run)."""
+
+    def __init__(self, body: AsyncIterator[str], ctx: ServingContext, requests: Sequence[Request]):
+        super().__init__(body, media_type="text/event-stream")
+        self.on_close: list[Callable[[], None]] = [lambda: ctx.loop.abort(requests)]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for close in self.on_close:
+                close()
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -243,6 +304,7 @@ class Choice:
 
 async def gather(ctx: ServingContext, requests: list[Request], queue: asyncio.Queue, http: HTTPRequest
                  ) -> list[Choice]:
+    """Every request's whole output; the requests are aborted the moment `http`'s client disconnects."""
     choices = [Choice() for _ in requests]
     async for output in request_outputs(ctx, requests, queue, http):
         choices[output.outputs.index].add(output)

@@ -10,12 +10,12 @@ from typing import Any
 import jinja2
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from fastdeploy.engine.request import Logprob, Request, RequestOutput
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
     json_logprob, sse, submit, top_entries, usage)
 from fastdeploy.engine.sampling_params import GuidedDecodingParams, SamplingParams
 from fastdeploy.input.chat_template import RequestTemplate
@@ -55,13 +55,12 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         field = template_field or "messages"
         raise APIError(400, f"{field}: {e}", field) from None
     thinking = bool((body.chat_template_kwargs or {}).get("enable_thinking", True))
-    requests = make_requests(ctx, [prompt], params, start, thinking, tool_calls=parse_calls)
+    requests = await make_requests(ctx, [prompt], params, start, thinking, tool_calls=parse_calls)
     call_id, created = new_id("chatcmpl"), now()
     k = body.top_logprobs or 0
-    queue = await submit(ctx, requests)
+    queue = await submit(ctx, requests, http)
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, requests, queue, call_id, created, k, calls_finish),
-                                 media_type="text/event-stream")
+        return EventStream(_stream(ctx, body, requests, queue, call_id, created, k, calls_finish), ctx, requests)
     choices = await gather(ctx, requests, queue, http)
     response = {
         "id": call_id, "object": "chat.completion", "created": created, "model": ctx.model_name,

@@ -9,14 +9,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import JSONResponse, Response
 
 from fastdeploy.engine.engine import best_candidates
 from fastdeploy.engine.request import Logprob, Request
 from fastdeploy.entrypoints.multimodal import Prepared
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
     json_logprob, sse, submit, top_entries, usage)
 
 
@@ -55,16 +56,16 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, http: 
         raise APIError(400, "echo with logprobs is not supported (it needs the prompt's logprobs)", "echo")
     params = sampling_params(body.to_sampling_params)
     start = time.time()
-    prompts = _prompts(ctx, body)
-    requests = make_requests(ctx, prompts, params, start)
+    prompts = await run_in_threadpool(_prompts, ctx, body)  # tokenization, off the event loop
+    requests = await make_requests(ctx, prompts, params, start)
     per_prompt = params.num_candidates  # requests of each prompt: n, or best_of candidates
     call_id, created = new_id("cmpl"), now()
     k = body.logprobs or 0
     echoes = [_echo(ctx, body, prompts[i // per_prompt]) for i in range(len(requests))] if body.stream else []
-    queue = await submit(ctx, requests)
+    queue = await submit(ctx, requests, http)
     if body.stream:  # best_of > n was refused: every request is a choice
-        return StreamingResponse(_stream(ctx, body, requests, queue, echoes, call_id, created, k, per_prompt),
-                                 media_type="text/event-stream")
+        return EventStream(_stream(ctx, body, requests, queue, echoes, call_id, created, k, per_prompt), ctx,
+                           requests)
     choices = await gather(ctx, requests, queue, http)
     response = {
         "id": call_id, "object": "text_completion", "created": created, "model": ctx.model_name,
