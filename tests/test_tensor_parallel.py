@@ -1,4 +1,5 @@
-"""Tensor parallel on CPU: rank 0 in this process, the other ranks in worker processes, gloo collectives.
+"""Tensor parallel on CPU: rank 0 in this process, the other ranks in worker processes, shared-memory
+collectives.
 
 - tensor_parallel_size=2 reproduces transformers' greedy tokens (committed references) and gives the
   same tokens as tensor_parallel_size=1, with logprobs within 1e-4, in a batch that is prefilled in
@@ -8,6 +9,7 @@
 - Each rank's parameters are its slices of the full model, and loading converts only those slices.
 - Workers go away with the LLM object, with their parent process, and survive nothing; Ctrl-C on
   rank 0 leaves the ranks in step.
+- No rank listens on anything but loopback (issue 41, point 8).
 """
 from __future__ import annotations
 
@@ -283,3 +285,37 @@ def test_bad_tensor_parallel_size(fixture: str, size: int, named: str) -> None:
     with pytest.raises(ValueError, match=named) as info:
         LLM(model=str(MODELS / fixture), tensor_parallel_size=size)
     assert "tensor_parallel_size" in str(info.value)
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """'address:port' (hex, as /proc/net/tcp writes them) of every TCP socket process `pid` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN
+                found.add(fields[1])
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    host = address.split(":")[0]
+    return host == "0100007F" or host == "00000000000000000000000001000000"  # 127.0.0.1, ::1
+
+
+def test_no_rank_listens_beyond_loopback(tiny_hf: str) -> None:
+    before = listening_addresses(os.getpid())
+    llm = LLM(model=tiny_hf, tensor_parallel_size=2, block_size=16)
+    assert llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs.token_ids
+    ranks = [os.getpid(), *llm.engine.runner.worker_pids]
+    opened = {pid: listening_addresses(pid) - (before if pid == os.getpid() else set()) for pid in ranks}
+    assert {pid: [a for a in found if not is_loopback(a)] for pid, found in opened.items()} == \
+        {pid: [] for pid in ranks}

@@ -75,9 +75,3 @@ def listen_from(port: int) -> socket.socket:
         return sock
     raise ValueError(f"engine_worker_queue_port: no free port in [{port}, 65535]")
 
-
-def free_port() -> int:
-    """A port the OS says is free now (for paddle's rendezvous store, which binds it itself)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]

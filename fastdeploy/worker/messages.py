@@ -12,11 +12,9 @@ from fastdeploy.worker.step_types import ForwardBatch
 # Rank 0 -> worker
 @dataclass(slots=True)
 class Init:
-    """Join the process group and load this rank's shard."""
+    """Join the collectives and load this rank's shard."""
 
     config: EngineConfig
-    store_port: int
-    group_id: int
 
 
 @dataclass(slots=True)

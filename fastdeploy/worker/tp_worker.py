@@ -1,8 +1,8 @@
 """A tensor-parallel worker rank: `main()` here, run by rank 0 (worker_group.py) in a child process of
 the same interpreter.
 
-It reads one bootstrap line (rank, world size, channel port, token) from stdin, connects to rank
-0's channel, joins the process group, loads its shard of the model and then runs every step rank 0
+It reads one bootstrap line (rank, world size, channel port, token, the inherited descriptor of the
+collectives' shared memory) from stdin, connects to rank 0's channel, joins the collectives, loads its shard of the model and then runs every step rank 0
 sends, until it is told to stop, its channel closes, or its stdin reaches end-of-file (rank 0 died).
 It never reads the terminal's Ctrl-C: it runs in its own session and ignores SIGINT.
 """
@@ -18,7 +18,8 @@ import traceback
 from typing import Any
 
 from fastdeploy.distributed import channel
-from fastdeploy.distributed.parallel_state import TPGroup, create_group, create_store, kv_heads_per_rank
+from fastdeploy.distributed.parallel_state import TPGroup, kv_heads_per_rank
+from fastdeploy.distributed.shm_comm import ShmComm
 from fastdeploy.worker import messages
 from fastdeploy.worker.worker_group import HELLO
 
@@ -46,21 +47,24 @@ def _exit_when_parent_goes() -> None:
 
 
 class Worker:
-    def __init__(self, sock: Any, rank: int, world_size: int) -> None:
+    def __init__(self, sock: Any, rank: int, world_size: int, segment: int) -> None:
         self.sock = sock
         self.rank = rank
         self.world_size = world_size
+        self.segment = segment  # the collectives' shared memory, inherited from rank 0
         self.config: Any = None  # the EngineConfig rank 0 sends
         self.model: Any = None
         self.kv_caches: list[Any] = []
         self.block_size = 0
 
-    def start(self, config: Any, store_port: int, group_id: int) -> None:
+    def start(self, config: Any) -> None:
         from fastdeploy import ops
         from fastdeploy.model_executor.load import load_model
 
-        store = create_store(self.rank, self.world_size, channel.HOST, store_port)
-        tp: TPGroup = create_group(self.rank, self.world_size, store, group_id)
+        comm = ShmComm(self.segment, self.rank, self.world_size)
+        os.close(self.segment)
+        comm.join()
+        tp = TPGroup(self.rank, self.world_size, comm)
         ops.share_cores(self.world_size)
         self.model = load_model(config.model_config, tp, config.quant, dtype=config.dtype,
                                 lm_head_fp32=config.lm_head_fp32)
@@ -88,7 +92,7 @@ class Worker:
             if isinstance(message, messages.Step):
                 run_step(self.model, message.batch, self.block_size, self.kv_caches, vision)
             elif isinstance(message, messages.Init):
-                self.start(message.config, message.store_port, message.group_id)
+                self.start(message.config)
                 channel.send(self.sock, messages.Ready())
             elif isinstance(message, messages.AllocateKV):
                 self.allocate(message.num_blocks)
@@ -116,7 +120,7 @@ def main() -> None:
     threading.Thread(target=_exit_when_parent_goes, name="parent-watch", daemon=True).start()
     sock = channel.connect(int(bootstrap["port"]))
     sock.sendall(bytes.fromhex(bootstrap["token"]) + HELLO.pack(rank))
-    worker = Worker(sock, rank, world_size)
+    worker = Worker(sock, rank, world_size, int(bootstrap["segment"]))
     try:
         worker.serve()
     except BaseException:

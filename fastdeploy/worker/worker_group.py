@@ -4,7 +4,8 @@ Workers are child processes of this interpreter running `fastdeploy.worker.tp_wo
 its own session (the terminal's Ctrl-C reaches only rank 0). Their stdin is a pipe that rank 0 never
 writes to after the bootstrap line: when rank 0 dies, however it dies, the pipe closes and the
 worker exits. Steps go over a localhost TCP channel (`engine_worker_queue_port`, or the next free
-port); the collectives of the forward itself go through the paddle.distributed group.
+port); the collectives of the forward itself go through a shared-memory segment each worker inherits
+(distributed/shm_comm.py). Nothing listens beyond 127.0.0.1.
 
 Lifetime: `close()` runs when the ModelRunner is garbage-collected (weakref.finalize), at
 interpreter exit, or after an error that may have left the ranks out of step. It asks the workers
@@ -25,12 +26,13 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from fastdeploy.distributed import channel
-from fastdeploy.distributed.parallel_state import TPGroup, create_group, create_store, next_group_id
+from fastdeploy.distributed.parallel_state import TPGroup
+from fastdeploy.distributed.shm_comm import ShmComm, create_segment
 from fastdeploy.config import EngineConfig
 from fastdeploy.worker import messages
 
@@ -89,33 +91,37 @@ class WorkerGroup:
         self.owner_pid = os.getpid()
         _live_groups.add(self)
         listener = channel.listen_from(config.engine_worker_queue_port)
+        segment = create_segment(self.size)  # the collectives' shared memory, inherited by the workers
         try:
             self.port = listener.getsockname()[1]
             token = secrets.token_bytes(TOKEN_BYTES)
             for rank in range(1, self.size):
-                self._spawn(rank, token)
+                self._spawn(rank, token, segment)
             self.socks = self._accept(listener, token)
-            store_port, group_id = channel.free_port(), next_group_id()
-            store = self._rendezvous(store_port, messages.Init(config, store_port, group_id))
-            self.tp: TPGroup = create_group(0, self.size, store, group_id)
+            comm = ShmComm(segment, 0, self.size)
+            self.send_all(messages.Init(config))
+            comm.join(self._check_startup(time.monotonic() + STARTUP_TIMEOUT_S))
+            self.tp = TPGroup(0, self.size, comm)
         except BaseException:
             self.close()
             raise
         finally:
             listener.close()
-        logger.info("tensor parallel: %d ranks (workers %s), step channel on port %d, backend gloo",
+            os.close(segment)
+        logger.info("tensor parallel: %d ranks (workers %s), step channel on port %d, shared-memory collectives",
                     self.size, [p.pid for p in self.procs], self.port)
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def _spawn(self, rank: int, token: bytes) -> None:
+    def _spawn(self, rank: int, token: bytes, segment: int) -> None:
         # This interpreter, importing this very fastdeploy (which may not be installed where the child looks).
         proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, _PACKAGE_ROOT], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, start_new_session=True)
+                                stdout=subprocess.DEVNULL, start_new_session=True, pass_fds=(segment,))
         self.procs.append(proc)
-        bootstrap = {"rank": rank, "world_size": self.size, "port": self.port, "token": token.hex()}
+        bootstrap = {"rank": rank, "world_size": self.size, "port": self.port, "token": token.hex(),
+                     "segment": segment}
         proc.stdin.write(json.dumps(bootstrap).encode() + b"\n")
         proc.stdin.flush()  # and keep it open: its end-of-file tells the worker that rank 0 is gone
 
@@ -146,39 +152,12 @@ class WorkerGroup:
             by_rank[rank] = sock
         return [by_rank[r] for r in range(1, self.size)]
 
-    def _rendezvous(self, store_port: int, init: messages.Init) -> Any:
-        """paddle's master store, made once every worker has connected to it.
-
-        Its constructor waits for all ranks, so it runs in a thread (it releases the GIL); the
-        workers get `init` only once it listens, as a store client that finds no server retries
-        only every few seconds."""
-        made: dict[str, Any] = {}
-
-        def make() -> None:
-            try:
-                made["store"] = create_store(0, self.size, channel.HOST, store_port)
-            except BaseException as e:  # noqa: BLE001 - handed to the main thread
-                made["error"] = e
-
-        thread = threading.Thread(target=make, name="tp-store", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while thread.is_alive():
-            try:
-                socket.create_connection((channel.HOST, store_port), timeout=1.0).close()
-                break
-            except OSError:
-                time.sleep(0.002)
-        for sock in self.socks:
-            channel.send(sock, init)
-        while thread.is_alive():
-            thread.join(1.0)
+    def _check_startup(self, deadline: float) -> Callable[[], None]:
+        def check() -> None:
             self._check_alive()
             if time.monotonic() > deadline:
                 raise WorkerError(f"tensor-parallel workers did not join within {STARTUP_TIMEOUT_S:.0f} s")
-        if "error" in made:
-            raise made["error"]
-        return made["store"]
+        return check
 
     def dead_workers(self, grace_s: float = 0.0) -> str:
         """'worker rank r (pid p) exited with code c', for each worker that has exited ('' if none).
