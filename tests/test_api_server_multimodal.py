@@ -52,7 +52,8 @@ def media_host():
 @pytest.fixture(scope="module")
 def server():
     s = Server(str(VL), "--api-key", KEY, "--max-model-len", MAX_MODEL_LEN, "--served-model-name", "vl",
-               "--limit-mm-per-prompt", '{"image": 1}', "--dtype", "float32")  # transformers' float32 tokens
+               "--limit-mm-per-prompt", '{"image": 1}', "--dtype", "float32",  # transformers' float32 tokens
+               "--allowed-media-domains", "127.0.0.1")  # the tests' own HTTP server
     yield s
     assert s.stop() == 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import io
+import socket
 import struct
 import time
 import zlib
@@ -109,6 +110,9 @@ def media_dir(tmp_path: Path) -> Path:
     return inside
 
 
+LOCAL = MediaPolicy(allowed_media_domains=("127.0.0.1",))  # the tests' own HTTP server
+
+
 def test_local_files_refused_without_an_allowed_dir(media_dir):
     policy = MediaPolicy()
     for source in (str(media_dir / "ok.png"), f"file://{media_dir / 'ok.png'}", "/etc/passwd", "/dev/zero"):
@@ -141,7 +145,7 @@ def test_local_file_over_the_byte_cap(media_dir):
 
 
 def test_redirects_to_file_and_other_hosts_refused(host, media_dir):
-    policy = MediaPolicy(allowed_local_media_path="/")  # even a server that allows local files
+    policy = MediaPolicy(allowed_local_media_path="/", allowed_media_domains=("127.0.0.1",))  # even with local files
     with pytest.raises(ValueError, match="only http"):
         read_bytes(f"{host}/to?file://{media_dir / 'ok.png'}", policy)
     allowed = MediaPolicy(allowed_media_domains=("127.0.0.1",))
@@ -152,19 +156,51 @@ def test_redirects_to_file_and_other_hosts_refused(host, media_dir):
     with pytest.raises(ValueError, match="'localhost' are not allowed"):
         read_bytes(f"http://localhost:{port}/ok.png", allowed)
     with pytest.raises(ValueError, match="redirected more than"):
-        read_bytes(f"{host}/loop", MediaPolicy())
+        read_bytes(f"{host}/loop", LOCAL)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:{port}/ok.png", "http://localhost:{port}/ok.png",
+                                 "http://[::ffff:127.0.0.1]:{port}/ok.png", "http://169.254.169.254/latest/meta-data",
+                                 "http://10.1.2.3/x.png", "http://[::1]:{port}/x.png", "http://0.0.0.0:{port}/x.png"])
+def test_without_allowed_domains_only_public_addresses_are_fetched(host, url):
+    """Loopback, private, link-local (cloud metadata) and unspecified addresses are refused before connecting,
+    however the host is written; naming the host in allowed_media_domains is the way to allow one."""
+    port = host.rsplit(":", 1)[1]
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="not a public address"):
+        read_bytes(url.format(port=port), MediaPolicy())
+    assert time.monotonic() - started < 1.0  # refused, not tried
+    assert read_bytes(f"{host}/ok.png", LOCAL) == small_png()
+    assert read_bytes(f"{host}/ok.png", TRUSTED) == small_png()  # offline LLM: any host
+
+
+def test_a_name_that_resolves_again_elsewhere_is_caught_at_the_peer(host, monkeypatch):
+    """DNS rebinding: the check's lookup says public, the connection's lookup says loopback."""
+    port = int(host.rsplit(":", 1)[1])
+    real, calls = socket.getaddrinfo, []
+
+    def rebinding(name, *args, **kwargs):
+        calls.append(name)
+        if name == "media.example" and len(calls) == 1:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", port))]
+        return real("127.0.0.1" if name == "media.example" else name, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    with pytest.raises(ValueError, match="'media.example' is at 127.0.0.1, not a public address"):
+        read_bytes(f"http://media.example:{port}/ok.png", MediaPolicy())
+    assert len(calls) == 2
 
 
 def test_download_over_the_byte_cap_stopped(host):
     with pytest.raises(ValueError, match="more than the 1048576"):
-        read_bytes(f"{host}/big", MediaPolicy(max_bytes=1 << 20))
-    assert len(read_bytes(f"{host}/big", MediaPolicy())) == 2 << 20
+        read_bytes(f"{host}/big", MediaPolicy(allowed_media_domains=("127.0.0.1",), max_bytes=1 << 20))
+    assert len(read_bytes(f"{host}/big", LOCAL)) == 2 << 20
 
 
 def test_slow_drip_stopped_by_the_total_timeout(host):
     start = time.monotonic()
     with pytest.raises(ValueError, match="took longer than 1.0 s|timed out|Timeout"):
-        read_bytes(f"{host}/drip", MediaPolicy(fetch_timeout=1.0))
+        read_bytes(f"{host}/drip", MediaPolicy(allowed_media_domains=("127.0.0.1",), fetch_timeout=1.0))
     assert time.monotonic() - start < 3.0  # each byte came within the timeout: only a total deadline stops it
 
 

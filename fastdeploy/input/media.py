@@ -12,8 +12,10 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import ipaddress
 import logging
 import os
+import socket
 import stat
 import time
 from dataclasses import dataclass
@@ -22,7 +24,10 @@ from typing import Any, Mapping
 from urllib.parse import unquote, urljoin, urlparse
 
 import requests
+import urllib3
 from PIL import Image, UnidentifiedImageError
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +54,9 @@ class MediaError(ValueError):
 class MediaPolicy:
     """What reading media may do. `allowed_local_media_path`: local paths / file:// only for regular files
     whose resolved real path lies inside this directory (None: refused). `allowed_media_domains`: the http(s)
-    hosts media (and their redirects) may come from, exact host names (None: any host). `max_bytes` and
+    hosts media (and their redirects) may come from, exact host names (None: any host, and then, with
+    `public_hosts_only`, only hosts whose addresses are public: not loopback, private, link-local (cloud
+    metadata), shared or reserved, checked before connecting and at the connected peer). `max_bytes` and
     `fetch_timeout` bound one item in total (not per read). `max_image_pixels` is checked from the image's
     header before it is decoded. `limit_mm_per_prompt` applies when the engine's own is not set.
     `max_video_frames` / `max_video_fps` cap what a request's video options may ask for (None: no cap)."""
@@ -62,6 +69,7 @@ class MediaPolicy:
     limit_mm_per_prompt: Mapping[str, int] | None = None
     max_video_frames: int | None = None
     max_video_fps: float | None = None
+    public_hosts_only: bool = True
 
     def __post_init__(self) -> None:
         if self.allowed_local_media_path is not None:
@@ -89,7 +97,7 @@ class MediaPolicy:
         """Offline LLM's: any local file, any host, items up to 2 GiB (long local videos); images up to where
         Pillow itself gives up."""
         return cls(allowed_local_media_path="/", max_bytes=TRUSTED_MAX_BYTES,
-                   max_image_pixels=2 * Image.MAX_IMAGE_PIXELS)
+                   max_image_pixels=2 * Image.MAX_IMAGE_PIXELS, public_hosts_only=False)
 
     def check_video_options(self, options: Mapping[str, Any]) -> None:
         """A request's video options may lower the server's frames / fps, not raise them past the caps."""
@@ -121,6 +129,54 @@ def _check_url(url: str, policy: MediaPolicy, original: str) -> None:
                          + ("" if url == original else f"; {_describe(original)} redirected there"))
 
 
+def _check_address(address: str, host: str) -> None:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone index is not part of the address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if not ip.is_global:
+        raise ValueError(f"media host {host!r} is at {ip}, not a public address: this server fetches only from "
+                         "public addresses unless --allowed-media-domains names the host")
+
+
+class _PublicPeer:
+    """An urllib3 connection that refuses a host with any non-public address before connecting, and checks
+    the connected peer again before a byte is sent (the name may resolve differently the second time)."""
+
+    host: str
+    port: int
+
+    def _new_conn(self) -> socket.socket:
+        try:
+            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        except OSError:
+            infos = []  # the connection itself reports the name as unresolvable
+        for info in infos:
+            _check_address(info[4][0], self.host)
+        sock = super()._new_conn()  # type: ignore[misc]
+        try:
+            _check_address(sock.getpeername()[0], self.host)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+
+class _PublicHTTP(_PublicPeer, HTTPConnection):
+    pass
+
+
+class _PublicHTTPS(_PublicPeer, HTTPSConnection):
+    pass
+
+
+class _PublicOnly(HTTPAdapter):
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {
+            "http": type("PublicHTTPPool", (urllib3.HTTPConnectionPool,), {"ConnectionCls": _PublicHTTP}),
+            "https": type("PublicHTTPSPool", (urllib3.HTTPSConnectionPool,), {"ConnectionCls": _PublicHTTPS})}
+
+
 def _fetch(url: str, policy: MediaPolicy) -> bytes:
     """GET with redirects followed by hand (each hop checked against the policy) and one deadline for all of
     it: connecting, redirects and the body."""
@@ -128,6 +184,9 @@ def _fetch(url: str, policy: MediaPolicy) -> bytes:
     limit, current = policy.max_bytes, url
     session = requests.Session()
     session.trust_env = False  # no proxies or .netrc from the environment: the policy alone decides
+    if policy.allowed_media_domains is None and policy.public_hosts_only:
+        for scheme in ("http://", "https://"):
+            session.mount(scheme, _PublicOnly())
     try:
         for _ in range(MAX_REDIRECTS + 1):
             _check_url(current, policy, url)

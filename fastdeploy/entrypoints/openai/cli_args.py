@@ -141,7 +141,8 @@ def make_parser() -> argparse.ArgumentParser:
                        help="let requests name local files (paths, file://) whose real path, symlinks resolved, "
                             "lies inside DIR (default: local files refused)")
     media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
-                       help="http(s) media and their redirects only from these host names (default: any host)")
+                       help="http(s) media and their redirects only from these host names (default: any host "
+                            "whose addresses are public, not loopback, private or link-local)")
     media.add_argument("--max-media-bytes", type=int, default=MAX_FETCH_BYTES,
                        help="bytes one image or video may have, however it is given (default: %(default)s)")
     media.add_argument("--media-fetch-timeout", type=float, default=FETCH_TIMEOUT_S,
