@@ -12,10 +12,10 @@ from fastdeploy.engine.step_builder import sampling_batch
 from fastdeploy.worker.step_types import ModelRunnerOutput
 
 
-def make_request(tokens, rid="r"):
+def make_request(tokens, rid="r", cache_salt=None):
     return Request(request_id=rid, prompt_token_ids=list(tokens),
                    params=SamplingParams().with_model_defaults({}), max_tokens=8, eos_token_ids=frozenset(),
-                   generator=np.random.default_rng(0), metrics=RequestMetrics(arrival_time=0.0))
+                   generator=np.random.default_rng(0), metrics=RequestMetrics(arrival_time=0.0), cache_salt=cache_salt)
 
 
 def run_prefill(bm, request):
@@ -77,6 +77,18 @@ def test_prefix_chain_depends_on_whole_prefix():
     run_prefill(bm, make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], "a"))
     # Same second block, different first block: no hit.
     assert bm.match_prefix(make_request([0, 2, 3, 4, 5, 6, 7, 8, 9], "b")) == []
+
+
+def test_only_requests_with_the_same_cache_salt_share_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    tokens = list(range(9))
+    run_prefill(bm, make_request(tokens, "tenant-a", cache_salt="a"))
+    assert len(bm.match_prefix(make_request(tokens, "a2", cache_salt="a"))) == 2
+    assert bm.match_prefix(make_request(tokens, "b", cache_salt="b")) == []
+    assert bm.match_prefix(make_request(tokens, "unsalted")) == []
+    run_prefill(bm, make_request(tokens, "plain"))
+    assert len(bm.match_prefix(make_request(tokens, "plain2"))) == 2
+    assert bm.match_prefix(make_request(tokens, "c", cache_salt="c")) == []
 
 
 def test_freed_cached_blocks_survive_until_needed_then_get_evicted():

@@ -191,3 +191,20 @@ def test_cached_tokens_only_when_enabled(default_server, trusting_server):
         assert ("prompt_tokens_details" in r.json()["usage"]) == reported
         assert "cached_tokens" in r.text if reported else "cached_tokens" not in r.text
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the second of the trusting server
+
+
+def test_cache_salt_keeps_prefix_hits_within_a_salt(trusting_server):
+    prompt = "A prefix two tenants both send, long enough to fill a block. " * 6
+
+    def cached(**salt: str) -> int:
+        r = httpx.post(f"{trusting_server.url}/v1/completions", timeout=TIMEOUT_S,
+                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0, **salt})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") > 0  # the same tenant hits its own prefix
+    assert cached(cache_salt="tenant-b") == 0  # another tenant does not, nor learns it was sent
+    assert cached() == 0  # nor does an unsalted request
+    r = chat(trusting_server, cache_salt="")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

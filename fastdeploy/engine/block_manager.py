@@ -1,11 +1,14 @@
 """Paged KV-cache blocks: allocation, reference counts and prefix caching over full blocks.
 
 A full block is identified by a hash chained over its parent's hash and its own tokens, so equal
-hashes mean equal whole prefixes. Freed blocks keep their hash and stay reusable until the
+hashes mean equal whole prefixes. The hash is SHA-256: with Python's hash() a client could craft a prompt
+whose blocks collide with another's and be handed that request's KV. Freed blocks keep their hash and stay reusable until the
 allocator needs them again; eviction takes the least recently freed first.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,17 +23,23 @@ from fastdeploy.model_executor.forward_context import block_table_array
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
 
 
-def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent_hash, tokens))
+def chain_hash(parent_hash: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.sha256(parent_hash + array("q", tokens).tobytes()).digest()
 
 
-def root_hash(request: Request) -> int | None:
+def root_hash(request: Request) -> bytes:
     """The parent hash of a request's first block: its media's content hash (images / videos), so prompts
-    whose tokens match but whose pixels differ never share a block."""
-    return None if request.mm is None else hash(("mm", request.mm.content_hash))
+    whose tokens match but whose pixels differ never share a block, and its cache_salt, so only requests
+    with the same salt share cached blocks (and can tell from timing that a prefix was sent before)."""
+    if request.mm is None and request.cache_salt is None:
+        return b""
+    digest = hashlib.sha256(b"mm" + (request.mm.content_hash if request.mm is not None else b""))
+    if request.cache_salt is not None:
+        digest.update(b"salt" + request.cache_salt.encode())
+    return digest.digest()
 
 
 class BlockManager:
@@ -41,7 +50,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table that carry their hash
 
@@ -68,8 +77,7 @@ class BlockManager:
         parent = root_hash(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
-            tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = chain_hash(parent, tokens)
+            parent = chain_hash(parent, request.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self.cached.get(parent)
             if block_id is None:
                 break
@@ -120,8 +128,7 @@ class BlockManager:
         done = self._num_hashed.get(request.request_id, 0)
         parent = self.blocks[table[done - 1]].block_hash if done else root_hash(request)
         for i in range(done, num_full):
-            tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = chain_hash(parent, tokens)
+            parent = chain_hash(parent, request.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block = self.blocks[table[i]]
             if block.block_hash is None:
                 block.block_hash = parent

@@ -61,11 +61,13 @@ class LLMEngine:
     def make_request(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, index: int,
                      arrival_time: float | None = None, sample: int = 0, enable_thinking: bool = True,
                      leader: Request | None = None, mm: MultimodalInputs | None = None,
-                     error: str | None = None, tool_calls: bool | ToolParser = False) -> Request:
+                     error: str | None = None, tool_calls: bool | ToolParser = False,
+                     cache_salt: str | None = None) -> Request:
         """A Request; problems with this one request are recorded on it (error_code 400), as is `error`
         (what went wrong preparing its prompt, e.g. unreadable media). `sample` numbers the n samples of
         one prompt; each draws from its own generator. tool_calls: parse tool calls from the output (a chat
-        given tools) with the engine's tool_call_parser, or with the parser given."""
+        given tools) with the engine's tool_call_parser, or with the parser given. cache_salt: only requests
+        with the same salt share prefix-cache blocks."""
         number = next(self._ids)
         params = params.with_model_defaults(self.config.model_config.generation_defaults)
         seed = [params.seed, sample] if params.seed is not None else [self.config.seed, number]
@@ -73,7 +75,7 @@ class LLMEngine:
         request = Request(  # uuid4 ids, as FastDeploy's LLM: unique across engines and processes
             request_id=str(uuid.uuid4()), prompt_token_ids=list(prompt_token_ids), params=params, max_tokens=0,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            generator=np.random.default_rng(seed), mm=mm,
+            generator=np.random.default_rng(seed), mm=mm, cache_salt=cache_salt,
             metrics=RequestMetrics(arrival_time=arrival, request_start_time=arrival))
         if params.reasoning_max_tokens is not None and self.output_processor.reasoning_parser is None:
             raise ValueError("reasoning_max_tokens needs a thinking model run with reasoning_parser set on the LLM")
@@ -94,7 +96,8 @@ class LLMEngine:
 
     def make_requests(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, first_index: int,
                       start: float, enable_thinking: bool = True, mm: MultimodalInputs | None = None,
-                      error: str | None = None, tool_calls: bool | ToolParser = False) -> list[Request]:
+                      error: str | None = None, tool_calls: bool | ToolParser = False,
+                      cache_salt: str | None = None) -> list[Request]:
         """The params.n samples of one prompt (params.best_of candidates when set; indices first_index...);
         later ones reuse the first one's cached prompt. `start`: when the prompt arrived, before preprocessing
         (time.time()): their arrival_time, as FastDeploy's."""
@@ -104,7 +107,7 @@ class LLMEngine:
             request = self.make_request(prompt, prompt_token_ids, params, first_index + sample, arrival_time=start,
                                         sample=sample, enable_thinking=enable_thinking,
                                         leader=requests[0] if requests else None, mm=mm, error=error,
-                                        tool_calls=tool_calls)
+                                        tool_calls=tool_calls, cache_salt=cache_salt)
             request.metrics.preprocess_cost_time = preprocess_cost
             requests.append(request)
         return requests

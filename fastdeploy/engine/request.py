@@ -170,6 +170,7 @@ class Request:
     forced_tokens: list[int] = field(default_factory=list)  # emitted next instead of sampling
     prefix_leader: Request | None = None  # a sibling (n > 1) whose prompt blocks this one reuses
     mm: MultimodalInputs | None = None  # ERNIE-4.5-VL: the prompt's media, positions and token types
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     grammar: GrammarState | None = None  # guided decoding: the matcher of its constraint
     cumulative_logprob: float = 0.0  # sum of its sampled tokens' logprobs; kept only for best_of ranking
 

@@ -46,7 +46,7 @@ class MultimodalInputs:
     row_order: np.ndarray  # [placeholders] int64: encoder row of each placeholder, in prompt order
     num_image_tokens: int
     num_video_tokens: int
-    content_hash: int  # of the pixels and grids
+    content_hash: bytes  # SHA-256 of the pixels and grids
     placeholder_ids: tuple[int, int]  # image, video placeholder token ids
 
     @property
@@ -132,12 +132,12 @@ def media_of_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Any],
     return images, videos
 
 
-def _content_hash(pixels: list[np.ndarray], grids: list[tuple[int, int, int]]) -> int:
+def _content_hash(pixels: list[np.ndarray], grids: list[tuple[int, int, int]]) -> bytes:
     digest = hashlib.sha256()
     for p, g in zip(pixels, grids):
         digest.update(repr(g).encode())
         digest.update(np.ascontiguousarray(p, dtype=np.float32).tobytes())
-    return int.from_bytes(digest.digest()[:8], "little")
+    return digest.digest()
 
 
 def prepare(tokenizer: Tokenizer, tokens: Any, processor: MediaProcessor, prompt: str, images: Sequence[Any],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.openai.guided_fields import guided_decoding_from
@@ -58,6 +58,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: only requests with the same salt share prefix-cache blocks (so cannot learn of each other's).
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # Output constraints (guided_fields.py): OpenAI's response_format or one of FastDeploy's extras.
     response_format: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

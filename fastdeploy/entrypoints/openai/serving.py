@@ -109,8 +109,8 @@ def sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
 
 
 async def make_requests(ctx: ServingContext, prompts: Sequence[Prepared], params: SamplingParams,
-                        start: float, enable_thinking: bool = True, tool_calls: bool | ToolParser = False
-                        ) -> list[Request]:
+                        start: float, enable_thinking: bool = True, tool_calls: bool | ToolParser = False,
+                        cache_salt: str | None = None) -> list[Request]:
     """The engine requests of one API call (n per prompt, indexed prompt by prompt), made on a worker thread
     (guided decoding compiles its grammars there), off the event loop. A prompt the
     engine rejects (too long, ids out of range, ...) fails the whole call with its message. tool_calls: parse
@@ -120,7 +120,7 @@ async def make_requests(ctx: ServingContext, prompts: Sequence[Prepared], params
         try:
             for text, ids, mm in prompts:
                 requests += ctx.engine.make_requests(text, ids, params, len(requests), start, enable_thinking, mm,
-                                                     tool_calls=tool_calls)
+                                                     tool_calls=tool_calls, cache_salt=cache_salt)
         except (ValueError, TypeError) as e:
             _release(ctx, requests)
             raise APIError(400, str(e)) from None

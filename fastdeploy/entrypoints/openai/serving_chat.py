@@ -55,7 +55,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         field = template_field or "messages"
         raise APIError(400, f"{field}: {e}", field) from None
     thinking = bool((body.chat_template_kwargs or {}).get("enable_thinking", True))
-    requests = await make_requests(ctx, [prompt], params, start, thinking, tool_calls=parse_calls)
+    requests = await make_requests(ctx, [prompt], params, start, thinking, tool_calls=parse_calls,
+                                   cache_salt=body.cache_salt)
     call_id, created = new_id("chatcmpl"), now()
     k = body.top_logprobs or 0
     queue = await submit(ctx, requests, http)

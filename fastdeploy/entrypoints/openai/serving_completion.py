@@ -57,7 +57,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, http: 
     params = sampling_params(body.to_sampling_params)
     start = time.time()
     prompts = await run_in_threadpool(_prompts, ctx, body)  # tokenization, off the event loop
-    requests = await make_requests(ctx, prompts, params, start)
+    requests = await make_requests(ctx, prompts, params, start, cache_salt=body.cache_salt)
     per_prompt = params.num_candidates  # requests of each prompt: n, or best_of candidates
     call_id, created = new_id("cmpl"), now()
     k = body.logprobs or 0
