@@ -106,13 +106,23 @@ def test_llm_request_fault_fails_that_request_alone(llm, alone, monkeypatch, met
     assert llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs.token_ids == alone[PROMPTS[0]].token_ids
 
 
-def test_llm_grammar_fault_fails_that_request_alone(llm, alone, monkeypatch):
+@pytest.mark.parametrize("where", ["sync", "mask"])
+def test_llm_grammar_fault_fails_that_request_alone(llm, alone, monkeypatch, where):
     from fastdeploy.engine.sampling_params import GuidedDecodingParams
-    from fastdeploy.guided.matcher import GrammarState
+    from fastdeploy.guided import matcher
 
-    def sync(self, output_ids):
-        raise Injected("injected")
-    monkeypatch.setattr(GrammarState, "sync", sync)
+    if where == "sync":
+        def sync(self, output_ids):
+            raise Injected("injected")
+        monkeypatch.setattr(matcher.GrammarState, "sync", sync)
+    else:  # the step's mask, on the grammar worker thread (compiling the spec is left alone)
+        fill = matcher.ll_numpy.fill_next_token_bitmask
+
+        def faulty_fill(m, bitmask, *row):
+            if not row:  # compile() fills the template's first mask with no row index
+                return fill(m, bitmask)
+            raise Injected("injected")
+        monkeypatch.setattr(matcher.ll_numpy, "fill_next_token_bitmask", faulty_fill)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     guided = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, guided_decoding=GuidedDecodingParams(regex="a+"))
     outputs = llm.generate(PROMPTS + [PROMPTS[0]], [params] * len(PROMPTS) + [guided], use_tqdm=False)

@@ -55,11 +55,14 @@ def advance(scheduler: Scheduler, samplers: Sequence[Request],
             on_error: Callable[[Request, Exception], None]) -> None:
     """After the scheduler applied a step: feed each constrained request's new tokens to its matcher. A
     completed grammar finishes the request ("stop"); a token the grammar rejects (only possible for a
-    token the grammar did not choose, e.g. forced) fails it; a matcher that raises fails its request
-    alone (on_error)."""
+    token the grammar did not choose, e.g. forced) fails it; a matcher that raised, here or computing the
+    step's mask, fails its request alone (on_error)."""
     for request in samplers:
         state = request.grammar
         if state is None or not state.active or request.is_finished:
+            continue
+        if state.failure is not None:  # its mask could not be computed: the step sampled it unconstrained
+            on_error(request, state.failure)
             continue
         try:
             synced = state.conflict is None and state.sync(request.output_token_ids)

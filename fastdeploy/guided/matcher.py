@@ -41,6 +41,7 @@ class GrammarState:
     start: int | None = 0
     consumed: int = 0
     conflict: str | None = None  # set when bans left no token the grammar allows: the request fails
+    failure: Exception | None = None  # what its mask computation raised: the request alone fails (500)
 
     @property
     def active(self) -> bool:
@@ -158,7 +159,12 @@ class GuidedDecoding:
 
 def _fill(states: list[GrammarState], banned: list[Sequence[int]], bitmask: np.ndarray) -> None:
     for i, state in enumerate(states):
-        ll_numpy.fill_next_token_bitmask(state.matcher, bitmask, i)  # drops the GIL
+        try:
+            ll_numpy.fill_next_token_bitmask(state.matcher, bitmask, i)  # drops the GIL
+        except Exception as e:  # noqa: BLE001 - this row's matcher only: its request fails after the step
+            bitmask[i] = -1
+            state.failure = e
+            continue
         if len(banned[i]):
             # Bans that remove every token the grammar allows would leave the sampler nothing: the row is
             # left unmasked instead, and the request fails after the step (see GrammarState.conflict).
