@@ -9,7 +9,7 @@ from fastdeploy.engine.request import Request, RequestMetrics, RequestStatus
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import sampling_batch
-from fastdeploy.worker.step_types import ModelRunnerOutput
+from fastdeploy.step_types import ModelRunnerOutput
 
 
 def make_request(tokens, rid="r", cache_salt=None):

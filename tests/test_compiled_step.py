@@ -15,10 +15,9 @@ from fastdeploy.model_executor.forward_context import allocate_kv_caches, block_
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.ops.sampling import Sampler, param_table
-from fastdeploy.ops.sampling_reference import SamplingBatch
+from fastdeploy.step_types import ForwardBatch, SamplingBatch
 from fastdeploy.worker.compiled_step import CompiledDecoder, unsupported_reason
 from fastdeploy.worker.model_runner import run_step
-from fastdeploy.worker.step_types import ForwardBatch
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 BLOCK = 16

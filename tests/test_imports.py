@@ -9,6 +9,9 @@ PACKAGE = Path(fastdeploy.__file__).parent
 # Layer -> the fastdeploy packages it must not import (anything above it).
 FORBIDDEN = {
     "fastdeploy.ops": ("fastdeploy.model_executor", "fastdeploy.worker", "fastdeploy.engine", "fastdeploy.entrypoints"),
+    # The sampling stage: over ops (the compiled sampler) and the step's types, under the runner that calls it.
+    "fastdeploy.sampling": ("fastdeploy.model_executor", "fastdeploy.worker", "fastdeploy.engine",
+                            "fastdeploy.entrypoints"),
     "fastdeploy.model_executor": ("fastdeploy.worker", "fastdeploy.engine", "fastdeploy.entrypoints"),
     "fastdeploy.worker": ("fastdeploy.engine", "fastdeploy.entrypoints"),
     "fastdeploy.engine": ("fastdeploy.entrypoints",),
@@ -80,7 +83,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read_from_the_sources():
     graph = import_graph()
-    assert "fastdeploy.worker.step_types" in graph["fastdeploy.worker.model_runner"]
+    assert "fastdeploy.step_types" in graph["fastdeploy.worker.model_runner"]
     assert "fastdeploy.engine.scheduler" in graph["fastdeploy.engine.engine"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -93,3 +96,8 @@ def test_lower_layers_never_import_upper_ones():
     reaches = [(a, b) for a, bs in import_graph().items() for layer, above in FORBIDDEN.items()
                if a == layer or a.startswith(layer + ".") for b in bs if b.startswith(above)]
     assert reaches == []
+
+
+def test_the_step_types_import_no_fastdeploy_module():
+    """Every layer imports the step's boundary types, so they import none: numpy only."""
+    assert import_graph()["fastdeploy.step_types"] == set()

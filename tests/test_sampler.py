@@ -20,7 +20,7 @@ import pytest
 
 from fastdeploy.ops import logits_filters as lp
 from fastdeploy.ops.sampling import Sampler
-from fastdeploy.ops.sampling_reference import SamplingBatch
+from fastdeploy.step_types import SamplingBatch
 
 REF = json.loads((pathlib.Path(__file__).parent / "fixtures/reference/sampler_distributions.json").read_text())
 

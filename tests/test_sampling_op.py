@@ -27,7 +27,7 @@ from fastdeploy import ops
 from fastdeploy.ops import build
 from fastdeploy.ops import sampling as sampling_mod
 from fastdeploy.ops.sampling import Sampler, pack_token_ids
-from fastdeploy.ops.sampling_reference import SamplingBatch
+from fastdeploy.step_types import SamplingBatch
 
 LIB = build.library()
 ISAS = [name for name in ("avx512", "avx2") if LIB is not None and build.set_isa(name) == name]

@@ -12,7 +12,7 @@ from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestMetrics
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.steady_decode import SteadyDecode
-from fastdeploy.worker.step_types import ModelRunnerOutput
+from fastdeploy.step_types import ModelRunnerOutput
 
 PARAMS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=5), dict(temperature=0, repetition_penalty=1.3),
           dict(temperature=0, min_tokens=4), dict(temperature=0.7, seed=9, logprobs=2)]

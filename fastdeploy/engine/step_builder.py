@@ -13,9 +13,8 @@ import numpy as np
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.ops.sampling_reference import SamplingBatch, greedy_rows
 from fastdeploy.input.ernie4_5_vl_positions import text_positions
-from fastdeploy.worker.step_types import ForwardBatch, SchedulerOutput, VisionSlice
+from fastdeploy.step_types import ForwardBatch, SamplingBatch, SchedulerOutput, VisionSlice, greedy_rows
 
 
 @dataclass(slots=True)

@@ -15,7 +15,8 @@ import paddle
 
 from fastdeploy.ops.build import call_op, compiled
 from fastdeploy.ops.logits_filters import Scratch
-from fastdeploy.ops.sampling_reference import SamplingBatch, sample_numpy
+from fastdeploy.ops.sampling_reference import sample_numpy
+from fastdeploy.step_types import SamplingBatch
 
 # Columns of the op's float64 parameter table, in fd::SampleCol order (custom_ops/fd_kernels.h), with
 # the dtype each value has first (as the numpy sampler holds it): float64 represents them all exactly.

@@ -8,9 +8,6 @@ batch.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import numpy as np
 
 from fastdeploy.ops.logits_filters import (
@@ -20,148 +17,10 @@ from fastdeploy.ops.logits_filters import (
     repetition_penalty_,
     token_pairs,
 )
+from fastdeploy.step_types import SamplingBatch
 
-GREEDY_TEMPERATURE = 1e-5  # below this temperature a row is greedy (vLLM's epsilon)
 _DRAW_BLOCK = 1024  # the draw inverts a per-block CDF, then the CDF inside one block
 _CHUNK_ROWS = 8  # rows per pass: bounds work arrays (B=256 x 150k vocab) and stays cache-friendlier
-_PARAM_CHECKS = (
-    ("temperature", lambda a: np.isfinite(a) & (a >= 0), ">= 0"),
-    ("top_p", lambda a: (a >= 0) & (a <= 1), "in [0, 1]"),
-    ("top_k", lambda a: a >= -1, "-1, 0 (off) or >= 1"),
-    ("min_p", lambda a: (a >= 0) & (a <= 1), "in [0, 1]"),
-    ("repetition_penalty", lambda a: np.isfinite(a) & (a > 0), "> 0"),
-    ("frequency_penalty", np.isfinite, "finite"),
-    ("presence_penalty", np.isfinite, "finite"),
-)
-
-
-def greedy_rows(temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> np.ndarray:
-    """Which rows take the argmax instead of drawing."""
-    return (temperature < GREEDY_TEMPERATURE) | (top_p <= 0) | (top_k == 1)
-
-
-@dataclass(slots=True)
-class SamplingBatch:
-    """Per-row sampling inputs of one step. Trusted as they are: SamplingParams validated the values
-    when the request was made (`from_lists` validates its own)."""
-
-    temperature: np.ndarray  # float32 [B]; 0 => greedy
-    top_p: np.ndarray  # float32 [B]; 1 => off; 0 => greedy
-    top_k: np.ndarray  # int64 [B]; 0 or -1 => off; 1 => greedy
-    min_p: np.ndarray  # float32 [B]; 0 => off
-    repetition_penalty: np.ndarray  # float32 [B]; 1 => off; over prompt and output tokens
-    frequency_penalty: np.ndarray  # float32 [B]; over output tokens
-    presence_penalty: np.ndarray  # float32 [B]; over output tokens
-    prompt_token_ids: list[Sequence[int]]
-    output_token_ids: list[Sequence[int]]
-    banned_token_ids: list[Sequence[int]]  # set to -inf this step (EOS/stop ids below min_tokens)
-    uniforms: np.ndarray  # float64 [B] in [0, 1): where each sampled row inverts its CDF (greedy: unread)
-    # What greedy_mask(), plain_greedy() and untouched_logits() answer, when the caller already knows (the
-    # scheduler does as it builds the rows); None: computed from the arrays.
-    greedy: np.ndarray | None = None
-    plain: bool | None = None
-    untouched: bool | None = None
-
-    def __len__(self) -> int:
-        return len(self.temperature)
-
-    def greedy_mask(self) -> np.ndarray:
-        return greedy_rows(self.temperature, self.top_p, self.top_k) if self.greedy is None else self.greedy
-
-    def plain_greedy(self) -> bool:
-        """Every row is greedy on logits nothing changes: the tokens are a bare argmax."""
-        if self.plain is not None:
-            return self.plain
-        return bool(self.greedy_mask().all()) and self.untouched_logits()
-
-    def untouched_logits(self) -> bool:
-        """No row bans a token or applies a penalty (each penalty is off or has no tokens to act on)."""
-        if self.untouched is not None:
-            return self.untouched
-        if any(len(ids) for ids in self.banned_token_ids):
-            return False
-        outputs = np.array([len(ids) > 0 for ids in self.output_token_ids], dtype=bool)
-        context = outputs | np.array([len(ids) > 0 for ids in self.prompt_token_ids], dtype=bool)
-        return not (((self.repetition_penalty != 1) & context).any()
-                    or (((self.frequency_penalty != 0) | (self.presence_penalty != 0)) & outputs).any())
-
-    @classmethod
-    def from_lists(
-        cls,
-        batch_size: int,
-        *,
-        temperature: float | Sequence[float] = 1.0,
-        top_p: float | Sequence[float] = 1.0,
-        top_k: int | Sequence[int] = 0,
-        min_p: float | Sequence[float] = 0.0,
-        repetition_penalty: float | Sequence[float] = 1.0,
-        frequency_penalty: float | Sequence[float] = 0.0,
-        presence_penalty: float | Sequence[float] = 0.0,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        output_token_ids: Sequence[Sequence[int]] | None = None,
-        banned_token_ids: Sequence[Sequence[int]] | None = None,
-        seeds: Sequence[int | None] | None = None,
-        generators: Sequence[np.random.Generator | None] | None = None,
-        uniforms: Sequence[float] | None = None,
-    ) -> SamplingBatch:
-        """A validated batch from scalars (shared by all rows) or per-row lists.
-
-        Each sampled row draws its uniform now from its generator: `generators`, or
-        `np.random.default_rng(seed)` per `seeds` (a None seed: fresh OS entropy); greedy rows draw
-        nothing and may have a None generator. Or `uniforms` gives them.
-        """
-
-        def arr(value: object, dtype: type, name: str) -> np.ndarray:
-            a = np.asarray(value, dtype=dtype)
-            a = np.full(batch_size, a, dtype=dtype) if a.ndim == 0 else a
-            if a.shape != (batch_size,):
-                raise ValueError(f"{name} must be a scalar or a list of {batch_size} values")
-            return a
-
-        def seqs(value: Sequence[Sequence[int]] | None, name: str) -> list[Sequence[int]]:
-            out = [[] for _ in range(batch_size)] if value is None else list(value)
-            if len(out) != batch_size:
-                raise ValueError(f"{name} must have {batch_size} rows, got {len(out)}")
-            return out
-
-        columns = dict(temperature=arr(temperature, np.float32, "temperature"), top_p=arr(top_p, np.float32, "top_p"),
-                       top_k=arr(top_k, np.int64, "top_k"), min_p=arr(min_p, np.float32, "min_p"),
-                       repetition_penalty=arr(repetition_penalty, np.float32, "repetition_penalty"),
-                       frequency_penalty=arr(frequency_penalty, np.float32, "frequency_penalty"),
-                       presence_penalty=arr(presence_penalty, np.float32, "presence_penalty"))
-        for name, ok, allowed in _PARAM_CHECKS:
-            good = ok(columns[name])
-            if not good.all():
-                row = int(np.argmin(good))
-                raise ValueError(f"{name} of row {row} is {columns[name][row]}; allowed: {allowed}")
-        if uniforms is not None:
-            u = arr(uniforms, np.float64, "uniforms")
-            if not ((u >= 0) & (u < 1)).all():
-                raise ValueError("uniforms must be in [0, 1)")
-        else:
-            u = _draw_uniforms(columns, batch_size, seeds, generators)
-        return cls(**columns, prompt_token_ids=seqs(prompt_token_ids, "prompt_token_ids"),
-                   output_token_ids=seqs(output_token_ids, "output_token_ids"),
-                   banned_token_ids=seqs(banned_token_ids, "banned_token_ids"), uniforms=u)
-
-
-def _draw_uniforms(columns: dict[str, np.ndarray], batch_size: int, seeds: Sequence[int | None] | None,
-                   generators: Sequence[np.random.Generator | None] | None) -> np.ndarray:
-    """One uniform per sampled row from its own generator, in row order; 0 for greedy rows."""
-    if generators is None:
-        seed_list = [None] * batch_size if seeds is None else list(seeds)
-        if len(seed_list) != batch_size:
-            raise ValueError(f"seeds must have {batch_size} values, got {len(seed_list)}")
-        generators = [np.random.default_rng(s) for s in seed_list]
-    if len(generators) != batch_size:
-        raise ValueError(f"generators must have {batch_size} rows, got {len(generators)}")
-    sampled = np.flatnonzero(~greedy_rows(columns["temperature"], columns["top_p"], columns["top_k"]))
-    missing = [int(i) for i in sampled if generators[i] is None]
-    if missing:
-        raise ValueError(f"generators of sampled rows {missing} are None; only greedy rows may omit one")
-    uniforms = np.zeros(batch_size, dtype=np.float64)
-    uniforms[sampled] = [generators[i].random() for i in sampled]
-    return uniforms
 
 
 def draw(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ from fastdeploy.model_executor.layers.linear import GatedMLP
 from fastdeploy.model_executor.layers.moe import SparseMoE
 from fastdeploy.model_executor.layers.moe_multimodal import MultimodalMoE
 from fastdeploy.ops.quant import FORMATS, PackedWeight
-from fastdeploy.worker.step_types import ForwardBatch
+from fastdeploy.step_types import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.worker.step_types import ForwardBatch
+from fastdeploy.step_types import ForwardBatch
 
 
 # Rank 0 -> worker

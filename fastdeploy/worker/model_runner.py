@@ -28,7 +28,7 @@ from fastdeploy.ops.sampling_reference import processed_logits
 from fastdeploy.ops.token_bitmask import apply_token_bitmask_, logits_view
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
-from fastdeploy.worker.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, TopLogprobs, VisionSlice
+from fastdeploy.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, TopLogprobs, VisionSlice
 from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_sigint
 
 logger = logging.getLogger(__name__)
