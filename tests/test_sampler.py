@@ -18,8 +18,8 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy.ops import logits_filters as lp
 from fastdeploy.ops.sampling import Sampler
+from fastdeploy.sampling import filters as lp
 from fastdeploy.step_types import SamplingBatch
 
 REF = json.loads((pathlib.Path(__file__).parent / "fixtures/reference/sampler_distributions.json").read_text())

@@ -13,7 +13,7 @@ import paddle
 import pytest
 
 from fastdeploy.ops.sampling import Sampler
-from fastdeploy.ops.sampling_reference import draw
+from fastdeploy.sampling.reference import draw
 from fastdeploy.step_types import SamplingBatch
 
 REF = json.loads((pathlib.Path(__file__).parent / "fixtures/reference/sampler_distributions.json").read_text())

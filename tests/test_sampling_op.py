@@ -1,5 +1,6 @@
 """The compiled sampling op (fastdeploy.ops.sample, custom_ops/kern_sampling.inc) against the numpy
-sampler it reimplements (fastdeploy.ops.sample_reference, which runs sampler.sample_numpy).
+sampler it reimplements (fastdeploy.ops.sample_reference, which runs
+fastdeploy.sampling.reference.sample_numpy).
 
 Both return each row's token and, for sampled rows, the filter threshold tau (the row kept the tokens
 with logit / temperature >= tau). Greedy rows must agree exactly. For sampled rows the kept-token set

@@ -1,11 +1,12 @@
 """The next step of a plain decoding batch, made by moving the last one on by a token.
 
 While a batch only decodes, every request one new token sampled with nothing but its sampling policy (no
-bans, bias, logprobs, forced tokens, grammar or media), a step differs from the last by one token per
-request: the ids, positions and context lengths move on, a block table gains a block now and then and the
-sampled rows draw new uniforms. So the scheduler keeps such a step and, when it schedules the same requests
-the same way again, updates that step's arrays in place instead of building them anew (vLLM's persistent
-batch, in small). At one stream building a step was ~0.1 ms, most of the scheduler's time per token.
+bans, bias, logprobs, forced tokens, grammar or media: `plain_decoder` for the requests,
+sampling.stage.sampler_alone for the step), a step differs from the last by one token per request: the ids,
+positions and context lengths move on, a block table gains a block now and then and the sampled rows draw
+new uniforms. So the scheduler keeps such a step and, when it schedules the same requests the same way
+again, updates that step's arrays in place instead of building them anew (vLLM's persistent batch, in
+small). At one stream building a step was ~0.1 ms, most of the scheduler's time per token.
 
 The kept step is handed to the runner again, so nothing may hold a step's arrays past the step: the runner
 reads them during `execute` and the tensor-parallel workers get copies.
@@ -17,14 +18,15 @@ import numpy as np
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request
 from fastdeploy.engine.step_builder import ScheduledStep
+from fastdeploy.sampling.stage import sampler_alone
 
 
 def plain_decoder(request: Request) -> bool:
-    """Whether the request's decode steps are the same every time, bar the token: sampled from its logits
-    with its policy alone (nothing banned, biased, forced or constrained), no logprobs to report, no media."""
-    params = request.params
+    """Whether the request's decode steps stay the same every time, bar the token, on the request's side: no
+    media, no grammar, nothing banned now or later (bad words, min_tokens) and nothing forced. The step's
+    side (no bias, logprobs or prompt rows: only the sampler reads the logits) is sampling.stage's
+    `sampler_alone`, the rule the compiled step's in-forward sampling starts from too."""
     return (request.mm is None and request.grammar is None and not request.bad_words and not request.forced_tokens
-            and not params.logit_bias and params.logprobs is None and not params.ranks_candidates
             and not request.below_min_tokens)
 
 
@@ -47,7 +49,8 @@ class SteadyDecode:
         """Keep a freshly built step if it is plain decoding: one token per request, each sampling."""
         forward = step.model_input.forward
         plain = (0 < len(forward.token_ids) == len(step.requests) == len(step.samplers) and not step.prompt_rows
-                 and forward.token_types is None and all(map(plain_decoder, step.requests)))
+                 and forward.token_types is None and sampler_alone(step.model_input)
+                 and all(map(plain_decoder, step.requests)))
         self.step = step if plain else None
         if plain:
             sampling = step.model_input.sampling

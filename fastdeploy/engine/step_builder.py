@@ -12,9 +12,10 @@ import numpy as np
 
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request
-from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.input.ernie4_5_vl_positions import text_positions
-from fastdeploy.step_types import ForwardBatch, SamplingBatch, SchedulerOutput, VisionSlice, greedy_rows
+from fastdeploy.sampling import rows as sampling_rows
+from fastdeploy.sampling.rows import logprob_transforms
+from fastdeploy.step_types import ForwardBatch, SamplingBatch, SchedulerOutput, VisionSlice
 
 
 @dataclass(slots=True)
@@ -30,56 +31,14 @@ class ScheduledStep:
     model_input: SchedulerOutput
 
 
-def banned_tokens(request: Request) -> list[int]:
-    """Ids the request must not produce next: EOS and stop ids below min_tokens, and the last token of
-    every bad-word sequence whose other tokens end the output."""
-    banned = []
-    if request.below_min_tokens:
-        banned.extend(request.eos_token_ids)
-        banned.extend(request.params.stop_token_ids or ())
-    if request.bad_words:
-        output = request.output_token_ids
-        for seq in request.bad_words:
-            prefix = seq[:-1]
-            if not prefix or (len(prefix) <= len(output) and tuple(output[len(output) - len(prefix):]) == prefix):
-                banned.append(seq[-1])
-    return banned
-
-
-_POLICY_COLUMNS = (("temperature", np.float32), ("top_p", np.float32), ("top_k", np.int64), ("min_p", np.float32),
-                   ("repetition_penalty", np.float32), ("frequency_penalty", np.float32),
-                   ("presence_penalty", np.float32))
-
-
 def sampling_batch(requests: list[Request]) -> SamplingBatch:
-    """The sampling rows of `requests`, with which rows are greedy and, where that is known here, whether
-    their logits are untouched (nothing banned or penalised) and the step plain greedy. Each sampled
-    (non-greedy) row draws its uniform from the request's own generator, so a seeded request's tokens
-    never depend on the batch."""
-    columns = {name: np.array([getattr(r.params, name) for r in requests], dtype=dtype)
-               for name, dtype in _POLICY_COLUMNS}
-    greedy = greedy_rows(columns["temperature"], columns["top_p"], columns["top_k"])
-    uniforms = np.zeros(len(requests), dtype=np.float64)
-    sampled_rows = np.flatnonzero(~greedy).tolist()
-    for i in sampled_rows:
-        uniforms[i] = requests[i].generator.random()
-    banned = [banned_tokens(r) for r in requests]
-    # Without penalties the answers are known here; with them they depend on each row's history.
-    penalized = any(r.params.repetition_penalty != 1 or r.params.frequency_penalty != 0
-                    or r.params.presence_penalty != 0 for r in requests)
-    untouched = None if penalized else not any(banned)
-    return SamplingBatch(
-        **columns, prompt_token_ids=[r.prompt_token_ids for r in requests],
-        output_token_ids=[r.output_token_ids for r in requests], banned_token_ids=banned, uniforms=uniforms,
-        greedy=greedy, plain=None if penalized else untouched and not sampled_rows, untouched=untouched)
-
-
-def logprob_transforms(params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
-    """Per logprob row, the temperature to scale by and the top_p to renormalise to (1: off), as
-    FastDeploy's temp_scaled_logprobs / top_p_normalized_logprobs. Temperature 0 (greedy) scales by 1."""
-    temperature = [p.temperature if p.temp_scaled_logprobs and p.temperature else 1.0 for p in params]
-    top_p = [p.top_p if p.top_p_normalized_logprobs else 1.0 for p in params]
-    return np.asarray(temperature, dtype=np.float32), np.asarray(top_p, dtype=np.float32)
+    """The sampling rows of `requests`: sampling/rows.py builds them from each request's parameters,
+    prompt and output ids, bans and generator (its docstring says what is decided there)."""
+    outputs = [r.output_token_ids for r in requests]
+    banned = [sampling_rows.banned_tokens(output, r.bad_words, r.below_min_tokens, r.eos_token_ids,
+                                          r.params.stop_token_ids) for r, output in zip(requests, outputs)]
+    return sampling_rows.sampling_batch([r.params for r in requests], [r.prompt_token_ids for r in requests],
+                                        outputs, banned, [r.generator for r in requests])
 
 
 _NONE_I64 = np.zeros(0, dtype=np.int64)

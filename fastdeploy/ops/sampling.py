@@ -1,9 +1,9 @@
 """Token sampling for a step's logits: bans, penalties, greedy argmax or temperature / top-k / top-p /
 min-p and an inverse-CDF draw, for the whole batch in one compiled call.
 
-The semantics are the numpy sampler's (sampling_reference.py), its reference. Each sampled row comes
-with its uniform (drawn by the caller from the row's own generator), so a row's token never depends
-on the rest of the batch.
+The semantics are the numpy sampler's (fastdeploy/sampling/reference.py), its reference. Each sampled
+row comes with its uniform (drawn by the caller from the row's own generator), so a row's token never
+depends on the rest of the batch.
 """
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ import numpy as np
 import paddle
 
 from fastdeploy.ops.build import call_op, compiled
-from fastdeploy.ops.logits_filters import Scratch
-from fastdeploy.ops.sampling_reference import sample_numpy
+# The op's numpy reference and fallback. It sits in the sampling package, the one layer over ops that ops
+# imports: reference.py and filters.py import nothing from fastdeploy but step_types (tests/test_imports.py).
+from fastdeploy.sampling.filters import Scratch
+from fastdeploy.sampling.reference import sample_numpy
 from fastdeploy.step_types import SamplingBatch
 
 # Columns of the op's float64 parameter table, in fd::SampleCol order (custom_ops/fd_kernels.h), with
@@ -96,7 +98,7 @@ def sample_reference(logits: paddle.Tensor | np.ndarray, *, greedy: np.ndarray, 
                      repetition_penalty: np.ndarray, frequency_penalty: np.ndarray,
                      presence_penalty: np.ndarray, token_ids: np.ndarray, token_offsets: np.ndarray,
                      return_thresholds: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """`sample` by the numpy sampler (sampling_reference.sample_numpy)."""
+    """`sample` by the numpy sampler (fastdeploy.sampling.reference.sample_numpy)."""
     params = dict(greedy=greedy, uniforms=uniforms, temperature=temperature, top_k=top_k, top_p=top_p,
                   min_p=min_p, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                   presence_penalty=presence_penalty)

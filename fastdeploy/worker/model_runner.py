@@ -3,7 +3,9 @@ a ModelRunnerOutput: sampled token ids and the logprobs asked for. It never sees
 
 The step's tokens are one ragged batch (no padding); only the rows the engine marked get logits: the
 requests that catch up with their known tokens this step sample one token, and prompt rows of
-requests that asked for prompt logprobs give those.
+requests that asked for prompt logprobs give those. `execute` forwards the step and hands it to the sampling
+stage (fastdeploy/sampling/stage.py), which also decides when the compiled step takes the tokens inside its
+forward call.
 """
 from __future__ import annotations
 
@@ -23,67 +25,16 @@ from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
 from fastdeploy.ops.kv_cache import row_bytes
-from fastdeploy.ops.sampling import Sampler, param_table
-from fastdeploy.ops.sampling_reference import processed_logits
-from fastdeploy.ops.token_bitmask import apply_token_bitmask_, logits_view
+from fastdeploy.sampling.logprobs import log_softmax  # noqa: F401  (re-export: tests/test_logprobs_n_stream.py)
+from fastdeploy.sampling.stage import SamplingStage, sample_in_forward
+from fastdeploy.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, VisionSlice
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
-from fastdeploy.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, TopLogprobs, VisionSlice
 from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_sigint
 
 logger = logging.getLogger(__name__)
 
 ACTIVATION_RESERVE = 0.1  # share of the memory budget kept for activations
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Rows of log-probabilities in the logits' dtype, exact down to -inf (a token the grammar disallows).
-    Not Paddle's CPU log_softmax: that one floors every value at about -64."""
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(shifted.dtype)
-
-
-def top_logprobs(logp: np.ndarray, k: int, target: int) -> TopLogprobs:
-    """The k best entries of one row of log-probabilities (k=-1: all), and the target's logprob and rank."""
-    vocab = logp.shape[-1]
-    k = vocab if k == -1 else min(k, vocab)
-    top = np.argpartition(-logp, k - 1)[:k] if 0 < k < vocab else np.arange(k)
-    top = top[np.argsort(-logp[top], kind="stable")]
-    rank = int((logp > logp[target]).sum()) + 1
-    return TopLogprobs(top, logp[top], float(logp[target]), rank)
-
-
-def transformed_logprobs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """One row's log-probabilities as FastDeploy's temp_scaled_logprobs / top_p_normalized_logprobs give
-    them: logits divided by temperature, then (top_p < 1) the distribution cut to its top_p nucleus (the
-    tokens whose better-ranked mass is <= top_p) and renormalised. Tokens outside get the float32 minimum,
-    as FastDeploy clips them."""
-    logp = log_softmax(logits.astype(np.float64) / temperature)
-    if top_p < 1.0:
-        order = np.argsort(-logp, kind="stable")
-        probs = np.exp(logp[order])
-        keep = order[(np.cumsum(probs) - probs) <= top_p]
-        kept = np.full_like(logp, -np.inf)
-        kept[keep] = log_softmax(logp[keep])
-        logp = kept
-    return np.maximum(logp, np.finfo(np.float32).min).astype(np.float32)
-
-
-def with_logit_bias(logits: paddle.Tensor, step: SchedulerOutput) -> paddle.Tensor | np.ndarray:
-    """The sampler's input: logits plus each row's logit_bias (before penalties, as vLLM does); the raw
-    logits stay untouched for logprobs."""
-    if not len(step.bias_rows):
-        return logits
-    biased = np.array(logits.numpy(), copy=True)
-    biased[step.bias_rows, step.bias_token_ids] += step.bias_values
-    return biased
-
-
-def with_forced_tokens(tokens: list[int], step: SchedulerOutput) -> list[int]:
-    """The sampled tokens with the forced ones put in their rows."""
-    if not len(step.forced_token_ids):
-        return tokens
-    return [f if f >= 0 else t for f, t in zip(step.forced_token_ids.tolist(), tokens)]
 
 
 @paddle.no_grad()
@@ -159,7 +110,7 @@ class ModelRunner:
             ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
             self._ask_workers()  # loaded
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
-            self.sampler = Sampler()
+            self.sampling = SamplingStage(config.logprobs_mode)
             self.num_blocks = self._num_kv_blocks()
             # All ranks hold the same blocks, each its own heads.
             self._ask_workers(messages.AllocateKV(self.num_blocks))
@@ -228,73 +179,25 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, wait_for_masks: Callable[[], object] | None = None) -> ModelRunnerOutput:
         """Forward and sample the step. `wait_for_masks`: returns once step.token_bitmask is filled (the engine
         computes the grammar masks while the forward runs)."""
-        tokens = self._compiled_tokens(step)
-        if tokens is not None:
-            return ModelRunnerOutput(with_forced_tokens(tokens, step))
-        logits = self._forward(step.forward)
-        num_samples = step.num_samples
-        tokens: list[int] = []
-        if len(step.guided_rows):
-            if wait_for_masks is not None:
-                wait_for_masks()
-            apply_token_bitmask_(logits, step.guided_rows, step.token_bitmask)
-        sampled_from, thresholds = None, None
-        if num_samples:
-            sampled_from = with_logit_bias(logits[:num_samples], step)
-            if self.config.logprobs_mode.startswith("processed") and len(step.logprob_rows):
-                thresholds = np.empty(num_samples, dtype=np.float32)
-            tokens = with_forced_tokens(self.sampler(sampled_from, step.sampling, thresholds).tolist(), step)
-        output = ModelRunnerOutput(tokens)
-        if len(step.logprob_rows) or len(step.prompt_logprob_k):
-            output.logprobs, output.prompt_logprobs = self._logprobs(step, logits, sampled_from, thresholds, tokens)
-        return output
-
-    def _logprobs(self, step: SchedulerOutput, logits: paddle.Tensor, sampled_from: paddle.Tensor | np.ndarray | None,
-                  thresholds: np.ndarray | None, tokens: list[int]) -> tuple[list[TopLogprobs], list[TopLogprobs]]:
-        """The entries of the sampling rows asking for logprobs and of the prompt rows, as logprobs_mode says:
-        raw (the model's logits; a grammar's mask included, as in vLLM) or, for sampling rows, processed (what
-        the sampler drew from: `sampled_from` with bans, penalties, temperature and the rows' `thresholds`);
-        prompt rows are always raw (nothing processes a prompt position)."""
-        raw = logits_view(logits)  # no copy
-        if thresholds is not None:
-            sample = processed_logits(logits_view(sampled_from), step.sampling, step.logprob_rows, thresholds)
+        batch = self.compiled.covers(step.forward) if self.compiled is not None else None
+        if batch is not None:
+            how = sample_in_forward(step)
+            if how is not None:  # the compiled call takes the tokens while the logits are in cache
+                return self.sampling.sampled_in_forward(step, self.compiled.forward_tokens(batch, how.params), how)
+            logits = self.compiled.forward(batch)
         else:
-            sample = raw[step.logprob_rows]
-        prompt = raw[step.num_samples + np.arange(len(step.prompt_logprob_k))]
-        if self.config.logprobs_mode.endswith("logprobs"):
-            sample, prompt = log_softmax(sample), log_softmax(prompt)
-        for i, (j, t, p) in enumerate(zip(step.logprob_rows, step.logprob_temperature, step.logprob_top_p)):
-            if t != 1.0 or p < 1.0:  # temp_scaled_logprobs / top_p_normalized_logprobs (raw_logprobs only)
-                sample[i] = transformed_logprobs(raw[j], float(t), float(p))
-        return ([top_logprobs(sample[i], int(k), int(tokens[j]))
-                 for i, (j, k) in enumerate(zip(step.logprob_rows, step.logprob_k))],
-                [top_logprobs(prompt[i], int(k), int(target))
-                 for i, (k, target) in enumerate(zip(step.prompt_logprob_k, step.prompt_logprob_targets))])
-
-    def _compiled_tokens(self, step: SchedulerOutput) -> list[int] | None:
-        """The step's sampled tokens when the compiled step runs it and takes them inside the forward call
-        (while the logits are in cache): every row samples from its logits with its policy alone (nothing
-        banned or penalised) and nothing else needs the logits (logprobs, logit bias, grammar); None
-        otherwise."""
-        sampling = step.sampling
-        if (self.compiled is None or not step.num_samples or len(step.forward.logit_rows) != step.num_samples
-                or len(step.guided_rows) or len(step.bias_rows) or len(step.logprob_rows)
-                or not sampling.untouched_logits()):
-            return None
-        batch = self.compiled.covers(step.forward)
-        if batch is None:
-            return None
-        if sampling.plain_greedy():
-            return self.compiled.forward_tokens(batch)
-        tokens = self.compiled.forward_tokens(batch, param_table(sampling, sampling.greedy_mask()))
-        if -1 in tokens:
-            raise ValueError(f"logits of row {tokens.index(-1)} are all -inf or hold NaN/inf")
-        return tokens
+            logits = self._layer_forward(step.forward)
+        return self.sampling(step, logits, wait_for_masks)
 
     def _forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
+        """The batch's logits by the compiled step when it covers the batch, else layer by layer."""
         compiled = self.compiled.covers(inputs) if self.compiled is not None else None
         if compiled is not None:
             return self.compiled.forward(compiled)
+        return self._layer_forward(inputs)
+
+    def _layer_forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
+        """The batch's logits layer by layer (run_step), on every tensor-parallel rank."""
         if self.workers is None:
             return run_step(self.model, inputs, self.config.block_size, self.kv_caches, self.vision)
         # Every rank runs the same forward; Ctrl-C waits until the step's collectives are done.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastdeploy.ops.logits_filters import (
+from fastdeploy.sampling.filters import (
     Scratch,
     filter_thresholds,
     frequency_presence_penalty_,
