@@ -10,12 +10,11 @@ from fastdeploy.fatal_signals import restore_default_fatal_signals
 
 restore_default_fatal_signals()  # Paddle's import installed crash handlers that can hang the process
 
-from fastdeploy.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.llm import LLM
 from fastdeploy.model_executor.models.registry import ModelRegistry
+from fastdeploy.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from fastdeploy.utils import current_package_version, version
-from fastdeploy.worker.output import Logprob
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 

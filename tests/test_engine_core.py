@@ -55,7 +55,7 @@ def test_abort_from_another_thread_while_generate_runs(llm, params):
     target = []
     wait_for(lambda: target.append(running_request(llm, PROMPTS[1], 2)) or target[-1] is not None,
              "the target request to produce tokens")
-    llm.engine.abort_request(target[-1].request_id)
+    llm.engine.abort([target[-1].request_id])
     worker.join(DEADLINE_S)
     assert not worker.is_alive()
     out = result["out"]

@@ -15,7 +15,7 @@ from fastdeploy.entrypoints.multimodal import prompts_for
 from fastdeploy.entrypoints.openai.api_server import build_app
 from fastdeploy.entrypoints.openai.engine_loop import EngineLoop
 from fastdeploy.entrypoints.openai.serving import ServingContext
-from fastdeploy.output.output_processor import OutputProcessor
+from fastdeploy.engine.output_processor import OutputProcessor
 from fastdeploy.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 from fastdeploy.tool_parsers.parsers import ErnieX1ToolParser, HermesToolParser
 from test_api_server import ROOT, free_port, wait_until_healthy
@@ -172,14 +172,14 @@ async def health(app) -> httpx.Response:
 
 @pytest.mark.parametrize("where", ["make_output", "deliver"])
 def test_server_request_fault_is_that_calls_500(llm, alone, monkeypatch, where):
-    if where == "deliver":
-        original = EngineLoop._deliver
+    if where == "deliver":  # the call's sink, which the engine calls inside its step
+        original = EngineLoop._sink
 
-        def faulty(self, request):
-            if request.num_output_tokens >= 2 and MARK in llm.engine.tokenizer.decode(request.prompt_token_ids):
+        def faulty(self, loop, queue, output):
+            if output.error_code == 200 and MARK in llm.engine.tokenizer.decode(output.prompt_token_ids):
                 raise Injected("injected")
-            return original(self, request)
-        monkeypatch.setattr(EngineLoop, "_deliver", faulty)
+            return original(self, loop, queue, output)
+        monkeypatch.setattr(EngineLoop, "_sink", faulty)
     else:
         poison(monkeypatch, "make_output")
     server = LoopThread(llm)
@@ -232,7 +232,7 @@ def test_dead_loop_turns_health_503(llm, monkeypatch, fault):
     finally:
         server.stop()
         monkeypatch.undo()
-        llm.engine.abort_all()  # what the failed steps left queued
+        llm.engine.fail_all("test over")  # what the failed steps left queued
 
 
 SERVER_WITH_BROKEN_STEP = """

@@ -143,7 +143,8 @@ def test_a_request_still_waiting_after_max_waiting_time_gets_408_and_is_aborted(
     loop = EngineLoop(engine)
     aborted = []
     real_abort = loop.abort
-    monkeypatch.setattr(loop, "abort", lambda requests: (aborted.extend(requests), real_abort(requests)))
+    monkeypatch.setattr(loop, "abort", lambda ids: (aborted.extend(engine._routes[i].request for i in ids),
+                                                    real_abort(ids)))
     ctx = ServingContext(engine, loop, prompts_for(llm.config, engine.tokenizer), "tiny", max_waiting_time=0.2)
     stepper = threading.Thread(target=loop.run, daemon=True)
     stepper.start()

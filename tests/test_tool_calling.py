@@ -13,7 +13,7 @@ from fastdeploy import LLM, SamplingParams
 from fastdeploy.engine.request import Request, RequestMetrics
 from fastdeploy.entrypoints.prompts import TextPrompts
 from fastdeploy.input.tokenizer import Tokenizer
-from fastdeploy.output.output_processor import OutputProcessor
+from fastdeploy.engine.output_processor import OutputProcessor
 from fastdeploy.reasoning.parsers import get_reasoning_parser
 from fastdeploy.tool_parsers import (
     ParsedCall, ToolCallSplit, ToolParser, check_tool_choice, check_tools, get_tool_parser, join_call_deltas)

@@ -1,7 +1,11 @@
 """LLMEngine: turns prompts into Requests and steps them: scheduler -> runner -> scheduler update ->
-output processor. `add_request` and `abort_request` may be called from any thread while another
-steps; they take effect at the next step boundary. Steps themselves are serialised by a lock, so
-several threads may step the same engine (e.g. concurrent LLM.generate calls)."""
+output processor -> each request's outputs to its caller's sink.
+
+Its doors (submission.py): `make_submission` (one prompt's requests, checked), `submit` (queue them, with
+the sink their outputs go to), `abort` / `cancel`, `fail_all`, `waiting`, `stats`, `step`. The Request
+records never leave it. `submit` and `abort` may be called from any thread while another steps; they take
+effect at the next step boundary. Steps are serialised by a lock, so several threads may step the same
+engine (e.g. concurrent LLM.generate calls); outputs are made and handed to the sinks inside it."""
 from __future__ import annotations
 
 import itertools
@@ -20,10 +24,11 @@ from fastdeploy.engine.request import Request, RequestMetrics, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
+from fastdeploy.engine.submission import EngineStats, RankedGroup, Route, Sink, Submission
 from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
 from fastdeploy.guided.matcher import GuidedDecoding
 from fastdeploy.input.tokenizer import Tokenizer
-from fastdeploy.output.output_processor import OutputProcessor
+from fastdeploy.engine.output_processor import OutputProcessor
 from fastdeploy.reasoning.parsers import get_reasoning_parser
 from fastdeploy.tool_parsers.parsers import ToolParser, get_tool_parser
 from fastdeploy.worker.model_runner import ModelRunner
@@ -53,9 +58,88 @@ class LLMEngine:
         # Filled from any thread, drained by the stepping thread (deque appends and pops are atomic).
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
+        self._routes: dict[str, Route] = {}  # submitted requests by id: where their outputs go
         self._step_lock = threading.Lock()
         if config.use_warmup:
             self.runner.warmup()
+
+    # ---- doors ----------------------------------------------------------------------------
+    def make_submission(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                        first_index: int, start: float, enable_thinking: bool = True,
+                        mm: MultimodalInputs | None = None, error: str | None = None,
+                        tool_calls: bool | ToolParser = False, cache_salt: str | None = None) -> Submission:
+        """One prompt's requests, made and checked (see make_requests), not yet queued: submit() or discard()
+        it. Accepted or rejected as a whole (`Submission.error`)."""
+        requests = self.make_requests(prompt, prompt_token_ids, params, first_index, start, enable_thinking, mm,
+                                      error, tool_calls, cache_salt)
+        rejected = next((r for r in requests if r.error_code != 200), None)
+        for request in requests if rejected is not None else ():
+            if not request.is_finished:
+                request.error_code, request.error_msg = rejected.error_code, rejected.error_msg
+                request.finish("abort")
+        return Submission(requests, first_index)
+
+    def submit(self, submissions: list[Submission], sink: Sink, stream: bool = False) -> None:
+        """Queue the submissions' requests (from any thread). Their outputs go to `sink`, called inside the
+        step that made them: with `stream`, a delta each step a request advanced; else its whole output once
+        it finished, a best_of prompt's candidates all together, best first (outputs.index = the prompt's
+        first index + rank). A rejected prompt's outputs go at once."""
+        for submission in submissions:
+            requests = submission.requests
+            group = RankedGroup(len(requests), submission.first_index) \
+                if not stream and requests[0].params.ranks_candidates else None
+            for request in requests:  # routed before it is queued: the stepping thread may take it at once
+                self._routes[request.request_id] = Route(request, sink, stream, group)
+            for request in requests:
+                if request.is_finished:
+                    with self._step_lock:
+                        self._deliver(request)
+                else:
+                    self._incoming.append(request)
+
+    def discard(self, submissions: list[Submission]) -> None:
+        """Drop submissions that will not be submitted (their text state)."""
+        for submission in submissions:
+            for request in submission.requests:
+                self.output_processor.release(request.request_id)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort queued or running requests (from any thread): at the next step boundary each finishes
+        with finish_reason "abort", its blocks freed, and its final output goes to its sink. Finished or
+        unknown ids are ignored."""
+        self._aborts.extend(request_ids)
+
+    def cancel(self, request_ids: list[str]) -> None:
+        """Abort these requests at once, for a caller that will not read their outputs (after Ctrl-C, an
+        error, a dropped stream): no output is made; blocks and text state are freed now."""
+        routes = [self._routes.pop(i, None) for i in request_ids]
+        self.abort_now([route.request for route in routes if route is not None])
+
+    def fail_all(self, message: str) -> None:
+        """Finish every queued and running request with error 500 and `message` (after a step that failed
+        as a whole: its batch's state is unknown); each one's final output goes to its sink."""
+        with self._step_lock:
+            requests = self._take_inbox() + list(self.scheduler.requests.values())
+            for request in requests:
+                request.error_code, request.error_msg = 500, message
+                self.scheduler.finish_request(request, "abort")
+                self._deliver(request)
+
+    def waiting(self, request_ids: list[str]) -> bool:
+        """Whether any of these requests is still waiting to be scheduled for the first time."""
+        routes = [self._routes.get(i) for i in request_ids]
+        return any(r is not None and r.request.metrics.inference_start_time is None and not r.request.is_finished
+                   for r in routes)
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether outputs of requests made with tool_calls=True get their calls parsed (a tool_call_parser)."""
+        return self.output_processor.tool_parser is not None
+
+    def stats(self) -> EngineStats:
+        blocks = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           1.0 - blocks.num_free_blocks / max(len(blocks.blocks), 1), self.scheduler.num_preemptions)
 
     # ---- requests -------------------------------------------------------------------------
     def make_request(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, index: int,
@@ -165,41 +249,41 @@ class LLMEngine:
         return None
 
     def add_request(self, request: Request) -> None:
-        """Queue a request (from any thread); a request rejected by make_request is already finished."""
+        """Queue a request without a route (tests and benchmarks stepping by hand make its outputs with
+        make_output); a request rejected by make_request is already finished."""
         if not request.is_finished:
             self._incoming.append(request)
-
-    def abort_request(self, request_id: str) -> None:
-        """Abort a queued or running request (from any thread): at the next step boundary it finishes
-        with finish_reason "abort", its blocks freed, and that step returns it."""
-        self._aborts.append(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._incoming) or self.scheduler.has_unfinished()
 
     # ---- stepping -------------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """Run one scheduler + model step; return the requests that got a new token in it or were
-        aborted before it."""
+    def step(self) -> None:
+        """Run one scheduler + model step and hand the submitted requests' outputs to their sinks."""
         with self._step_lock:
-            aborted = self._take_inbox()
-            step = self.scheduler.schedule()
-            if not step.requests:
-                if aborted or not self.scheduler.has_unfinished():
-                    return aborted
-                raise RuntimeError("scheduler made no progress: no request fits the KV cache")
-            masks = guided_requests.start_masks(self.guided, step)  # computed while the forward runs
-            try:
-                output = self.runner.execute(step.model_input, masks.wait if masks else None)
-            finally:
-                if masks is not None:
-                    masks.wait()  # the matchers are not touched again before their masks are done
-            stepped = self.scheduler.update_from_output(step, output)
-            guided_requests.advance(self.scheduler, step.samplers,
-                                    lambda request, e: self._fail_request(request, e, "guided decoding"))
-            self._process_text(step, output)
-            guided_requests.activate_after_reasoning(self.output_processor, step.samplers)
-            return aborted + stepped
+            for request in self._step():
+                self._deliver(request)
+
+    def _step(self) -> list[Request]:
+        """The step; the requests that got a new token in it or were aborted before it."""
+        aborted = self._take_inbox()
+        step = self.scheduler.schedule()
+        if not step.requests:
+            if aborted or not self.scheduler.has_unfinished():
+                return aborted
+            raise RuntimeError("scheduler made no progress: no request fits the KV cache")
+        masks = guided_requests.start_masks(self.guided, step)  # computed while the forward runs
+        try:
+            output = self.runner.execute(step.model_input, masks.wait if masks else None)
+        finally:
+            if masks is not None:
+                masks.wait()  # the matchers are not touched again before their masks are done
+        stepped = self.scheduler.update_from_output(step, output)
+        guided_requests.advance(self.scheduler, step.samplers,
+                                lambda request, e: self._fail_request(request, e, "guided decoding"))
+        self._process_text(step, output)
+        guided_requests.activate_after_reasoning(self.output_processor, step.samplers)
+        return aborted + stepped
 
     def _take_inbox(self) -> list[Request]:
         while self._incoming:
@@ -243,12 +327,12 @@ class LLMEngine:
 
     def _fail_request(self, request: Request, error: BaseException, stage: str) -> None:
         """A bug or a pathological output in one request's text side finishes that request alone (error 500,
-        blocks freed) so the batch goes on; its next make_output is the error. Holds the step lock or is
-        called on the stepping thread's make_output (which takes it)."""
+        blocks freed) so the batch goes on; its next output is the error. Holds the step lock."""
         logger.error("request %s failed in %s; finishing it alone", request.request_id, stage, exc_info=error)
         request.error_code = 500
         request.error_msg = f"internal error in this request's {stage}: {type(error).__name__}"
-        self.scheduler.finish_request(request, "abort")
+        if not request.is_finished:
+            self.scheduler.finish_request(request, "abort")
 
     def abort_now(self, requests: list[Request]) -> None:
         """Abort these requests at once (after a step another thread is running) and drop their text
@@ -260,26 +344,19 @@ class LLMEngine:
         for request in requests:
             self.output_processor.release(request.request_id)
 
-    def abort_all(self) -> list[Request]:
-        """Abort every queued and running request at once and drop their text state (after a failed step,
-        whose batch state is unknown); the requests aborted."""
-        with self._step_lock:
-            requests = self._take_inbox() + list(self.scheduler.requests.values())
-            for request in requests:
-                self.scheduler.finish_request(request, "abort")
-        for request in requests:
-            self.output_processor.release(request.request_id)
-        return requests
-
     def make_output(self, request: Request, delta: bool = False) -> RequestOutput:
-        """The request's output (see OutputProcessor.make_output); a request failed by its text side gets an
-        output carrying its error_code 500 instead, and one whose make_output itself raises is failed so."""
+        """The request's output (see OutputProcessor.make_output), for a caller stepping by hand (tests)."""
+        with self._step_lock:
+            return self._output(request, delta)
+
+    def _output(self, request: Request, delta: bool) -> RequestOutput:
+        """make_output with the step lock held: a request failed by its text side gets an output carrying its
+        error_code 500 instead, and one whose make_output itself raises is failed so."""
         if request.error_code < 500:
             try:
                 output = self.output_processor.make_output(request, delta)
             except Exception as e:  # noqa: BLE001 - reasoning / tool-call parsing of this request's text
-                with self._step_lock:  # the scheduler is the stepping threads' (LLM steps from several)
-                    self._fail_request(request, e, "output parsing")
+                self._fail_request(request, e, "output parsing")
             else:
                 if request.mm is not None:
                     output.num_input_image_tokens = request.mm.num_image_tokens
@@ -287,12 +364,23 @@ class LLMEngine:
                 return output
         return self.output_processor.failed_output(request)
 
-
-def best_candidates(candidates: list[Request]) -> list[Request]:
-    """The params.n of one prompt's candidates to return: with best_of > n the n with the highest
-    cumulative logprob (sum of their sampled tokens' logprobs), best first, as vLLM ranks them."""
-    params = candidates[0].params
-    if not params.ranks_candidates:
-        return candidates
-    ranked = sorted(candidates, key=lambda r: r.cumulative_logprob, reverse=True)
-    return ranked[:params.n]
+    def _deliver(self, request: Request) -> None:
+        """Hand a stepped request's output to its sink, as its route says (step lock held). A request added
+        without a route (stepped by hand) is left to its caller."""
+        route = self._routes.get(request.request_id)
+        if route is None or not (route.stream or request.is_finished):
+            return
+        output = self._output(request, delta=route.stream)
+        if request.is_finished:
+            del self._routes[request.request_id]
+        for out in route.group.add(request, output) if route.group is not None else [output]:
+            try:
+                route.sink(out)
+            except Exception as e:  # noqa: BLE001 - the caller's sink: this request ends with an error, the rest go on
+                self._fail_request(request, e, "delivery")
+                self._routes.pop(request.request_id, None)
+                try:
+                    route.sink(self.output_processor.failed_output(request))
+                except Exception:  # noqa: BLE001
+                    logger.exception("the sink of request %s failed again; its caller gets nothing more",
+                                     request.request_id)

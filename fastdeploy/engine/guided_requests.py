@@ -16,7 +16,7 @@ from fastdeploy.engine.request import Request
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.guided.matcher import GrammarMasks, GuidedDecoding
-from fastdeploy.output.output_processor import OutputProcessor
+from fastdeploy.engine.output_processor import OutputProcessor
 from fastdeploy.reasoning.parsers import THINK_END
 
 

@@ -3,19 +3,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine.engine import LLMEngine, best_candidates
-from fastdeploy.engine.request import Request, RequestOutput
+from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.engine.submission import Submission
 from fastdeploy.entrypoints.multimodal import prompts_for
 from fastdeploy.entrypoints.prompts import Prepared, normalize_conversations, normalize_prompts
 from fastdeploy.input.media import MediaError
 from fastdeploy.input.tokenizer import Tokenizer
+from fastdeploy.outputs import RequestOutput
 from fastdeploy.tool_parsers.calls import check_tools
 
 logger = logging.getLogger(__name__)
@@ -53,11 +55,12 @@ class LLM:
         RequestOutput with only the new tokens and text where the step produced some, else None."""
         items = normalize_prompts(prompts)
         params = self._params_per_prompt(sampling_params, len(items), stream)
-        groups: list[list[Request]] = []
+        groups: list[Submission] = []
         for item, p in zip(items, params):
             start = time.time()
             (text, ids, mm), error = _unless_media_fail(self._prompts.from_prompt, item)
-            groups.append(self.engine.make_requests(text, ids, p, sum(map(len, groups)), start, mm=mm, error=error))
+            groups.append(self.engine.make_submission(text, ids, p, sum(map(len, groups)), start, mm=mm,
+                                                      error=error))
         return self._stream(groups, use_tqdm) if stream else self._run(groups, use_tqdm)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -73,13 +76,13 @@ class LLM:
         conversations = normalize_conversations(messages)
         params = self._params_per_prompt(sampling_params, len(conversations), stream)
         thinking = bool((chat_template_kwargs or {}).get("enable_thinking", True))
-        groups: list[list[Request]] = []
+        groups: list[Submission] = []
         for conversation, p in zip(conversations, params):
             start = time.time()
             (text, ids, mm), error = _unless_media_fail(self._prompts.from_chat, conversation, chat_template_kwargs,
                                                         chat_template, tools)
-            groups.append(self.engine.make_requests(text, ids, p, sum(map(len, groups)), start, thinking, mm=mm,
-                                                    error=error, tool_calls=tools is not None))
+            groups.append(self.engine.make_submission(text, ids, p, sum(map(len, groups)), start, thinking, mm=mm,
+                                                      error=error, tool_calls=tools is not None))
         return self._stream(groups, use_tqdm) if stream else self._run(groups, use_tqdm)
 
     # ---- helpers --------------------------------------------------------------------------
@@ -100,59 +103,56 @@ class LLM:
             raise ValueError("best_of > n needs the finished candidates to rank them; not with stream=True")
         return params
 
-    def _run(self, groups: list[list[Request]], use_tqdm: bool) -> list[RequestOutput]:
-        requests = [r for group in groups for r in group]
-        for _ in self._steps(requests, use_tqdm):
-            pass
-        outputs = {id(r): self.engine.make_output(r) for r in requests}  # all, so each releases its state
-        kept = [outputs[id(r)] for group in groups for r in best_candidates(group)]
-        if len(kept) < len(requests):  # best_of dropped candidates: number the outputs returned
+    def _run(self, groups: list[Submission], use_tqdm: bool) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        for step_outputs in self._steps(groups, use_tqdm, stream=False):
+            outputs.update((o.request_id, o) for o in step_outputs)
+        kept: list[RequestOutput] = []
+        for group in groups:  # best_of candidates come best first: the first n are returned
+            ranked = sorted((outputs[i] for i in group.request_ids), key=lambda o: o.outputs.index)
+            kept += ranked[:group.num_returned]
+        if len(kept) < len(outputs):  # best_of dropped candidates: number the outputs returned
             for i, output in enumerate(kept):
                 output.outputs.index = i
         return kept
 
-    def _stream(self, groups: list[list[Request]], use_tqdm: bool) -> Iterator[list[RequestOutput | None]]:
-        requests = [r for group in groups for r in group]
-        position = {id(r): i for i, r in enumerate(requests)}
-        rejected = [r for r in requests if r.is_finished]
-        if rejected:
-            yield [self.engine.make_output(r, delta=True) if r.is_finished else None for r in requests]
-        for stepped in self._steps(requests, use_tqdm):
-            chunk: list[RequestOutput | None] = [None] * len(requests)
-            for request in stepped:
-                chunk[position[id(request)]] = self.engine.make_output(request, delta=True)
+    def _stream(self, groups: list[Submission], use_tqdm: bool) -> Iterator[list[RequestOutput | None]]:
+        position = {request_id: i for i, request_id in enumerate(i for g in groups for i in g.request_ids)}
+        for step_outputs in self._steps(groups, use_tqdm, stream=True):
+            chunk: list[RequestOutput | None] = [None] * len(position)
+            for output in step_outputs:
+                chunk[position[output.request_id]] = output
             yield chunk
 
-    def _steps(self, requests: list[Request], use_tqdm: bool) -> Iterator[list[Request]]:
-        """Step the engine until the requests are done; yield the requests each step advanced."""
+    def _steps(self, groups: list[Submission], use_tqdm: bool, stream: bool) -> Iterator[list[RequestOutput]]:
+        """Submit the prompts and step the engine until their requests are done; yield the outputs each step
+        made for them (another thread stepping the same engine may have made some: they are here too)."""
         engine = self.engine
-        mine = {id(r) for r in requests}  # the engine may also step requests added from other threads
-        for request in requests:
-            engine.add_request(request)
-        unfinished = [r for r in requests if not r.is_finished]
-        bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
-        bar.update(len(requests) - len(unfinished))  # rejected ones
+        arrived: deque[RequestOutput] = deque()  # filled inside the steps (of any thread)
+        ids = [i for g in groups for i in g.request_ids]
+        engine.submit(groups, arrived.append, stream)
+        unfinished = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start, tokens_in, tokens_out = time.perf_counter(), 0, 0
         try:
-            while unfinished:
-                stepped = [r for r in engine.step() if id(r) in mine]
-                # Also those finished outside this thread's steps (an abort another thread applied).
-                seen = {id(r) for r in stepped}
-                finished = [r for r in unfinished if r.is_finished]
-                stepped += [r for r in finished if id(r) not in seen]
-                unfinished = [r for r in unfinished if not r.is_finished]
-                for request in finished:
-                    tokens_in += request.num_prompt_tokens
-                    tokens_out += request.num_output_tokens
+            while True:
+                outputs = [arrived.popleft() for _ in range(len(arrived))]
+                finished = [o for o in outputs if o.finished]
+                unfinished.difference_update(o.request_id for o in finished)
+                tokens_out += sum(len(o.outputs.token_ids) for o in outputs if stream or o.finished)
+                tokens_in += sum(o.prompt_token_ids_len for o in finished)
                 if finished and use_tqdm:
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(f"est. speed input: {tokens_in / elapsed:.2f} toks/s, "
                                         f"output: {tokens_out / elapsed:.2f} toks/s")
                     bar.update(len(finished))
-                if stepped:
-                    yield stepped
+                if outputs:
+                    yield outputs
+                if not unfinished:
+                    return
+                engine.step()
         except BaseException:
-            engine.abort_now(requests)  # leave the engine usable after Ctrl-C, an error, or a dropped stream
+            engine.cancel(sorted(unfinished))  # leave the engine usable after Ctrl-C, an error, or a dropped stream
             raise
         finally:
             bar.close()

@@ -1,10 +1,11 @@
-"""The server's Prometheus metrics (FastDeploy's names), updated by the engine loop after each step."""
+"""The server's Prometheus metrics (FastDeploy's names): the engine's stats after each step, and each
+request's outputs as the engine hands them to their call."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.engine.request import Request
+from fastdeploy.engine.submission import EngineStats
+from fastdeploy.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -37,33 +38,35 @@ class ServerMetrics:
         self.preemptions = counter("fastdeploy:num_preemptions", "Running requests preempted for KV blocks")
         self.prefix_hits = counter("fastdeploy:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
         self._preempted = 0
+        self._generated: dict[str, int] = {}  # output tokens of each streamed request so far
 
-    def on_step(self, engine: LLMEngine, stepped: list[Request]) -> None:
-        """After a step: the engine's state; token counts and latencies of the requests that finished."""
-        scheduler = engine.scheduler
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        blocks = engine.block_manager
-        self.cache_usage.set(1.0 - blocks.num_free_blocks / max(len(blocks.blocks), 1))
-        self.preemptions.inc(scheduler.num_preemptions - self._preempted)
-        self._preempted = scheduler.num_preemptions
-        for request in stepped:
-            if request.is_finished:
-                self._on_finished(request)
+    def on_stats(self, stats: EngineStats) -> None:
+        """After a step: the engine's state."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.cache_usage.set(stats.kv_cache_usage)
+        self.preemptions.inc(stats.num_preemptions - self._preempted)
+        self._preempted = stats.num_preemptions
 
-    def _on_finished(self, request: Request) -> None:
-        m = request.metrics
-        self.prompt_tokens.inc(request.num_prompt_tokens)
-        self.generation_tokens.inc(request.num_output_tokens)
-        self.prefix_hits.inc(request.num_cached_tokens)
-        if request.finish_reason in ("stop", "length"):
+    def on_output(self, output: RequestOutput) -> None:
+        """Each output a request makes (a stream delta, or its whole output): token counts and latencies once
+        it finished."""
+        generated = self._generated.pop(output.request_id, 0) + len(output.outputs.token_ids)
+        if not output.finished:
+            self._generated[output.request_id] = generated
+            return
+        m = output.metrics
+        self.prompt_tokens.inc(output.prompt_token_ids_len)
+        self.generation_tokens.inc(generated)
+        self.prefix_hits.inc(output.num_cached_tokens)
+        if output.outputs.finish_reason in ("stop", "length") and output.error_code == 200:
             self.success.inc()
         if m.first_token_time is not None:  # FastDeploy's meaning: a duration from inference_start_time
             ttft = m.inference_start_time + m.first_token_time - m.arrival_time
             self.ttft.observe(ttft)
             if m.model_execute_time is not None:
                 self.e2e.observe(m.model_execute_time)
-                if request.num_output_tokens > 1:
-                    self.tpot.observe((m.model_execute_time - ttft) / (request.num_output_tokens - 1))
+                if generated > 1:
+                    self.tpot.observe((m.model_execute_time - ttft) / (generated - 1))
         if m.time_in_queue is not None:
             self.queue.observe(m.time_in_queue)

@@ -18,11 +18,12 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.engine.request import Logprob, Request, RequestOutput
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.engine.submission import Submission
 from fastdeploy.entrypoints.multimodal import MultimodalPrompts
 from fastdeploy.entrypoints.prompts import Prepared, TextPrompts
-from fastdeploy.entrypoints.openai.engine_loop import EngineFailed, EngineLoop
+from fastdeploy.entrypoints.openai.engine_loop import EngineLoop
+from fastdeploy.outputs import Logprob, RequestOutput
 from fastdeploy.tool_parsers.parsers import ToolParser
 
 # Under --max-waiting-time a call checks this often whether the engine loop (another thread) has scheduled
@@ -108,41 +109,41 @@ def sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
         raise APIError(400, str(e), name if name.isidentifier() else None) from None
 
 
-async def make_requests(ctx: ServingContext, prompts: Sequence[Prepared], params: SamplingParams,
-                        start: float, enable_thinking: bool = True, tool_calls: bool | ToolParser = False,
-                        cache_salt: str | None = None) -> list[Request]:
-    """The engine requests of one API call (n per prompt, indexed prompt by prompt), made on a worker thread
-    (guided decoding compiles its grammars there), off the event loop. A prompt the
+async def make_submissions(ctx: ServingContext, prompts: Sequence[Prepared], params: SamplingParams,
+                           start: float, enable_thinking: bool = True, tool_calls: bool | ToolParser = False,
+                           cache_salt: str | None = None) -> list[Submission]:
+    """The engine's submissions of one API call (one per prompt, its n samples indexed prompt by prompt),
+    made on a worker thread (guided decoding compiles its grammars there), off the event loop. A prompt the
     engine rejects (too long, ids out of range, ...) fails the whole call with its message. tool_calls: parse
     tool calls from the outputs."""
-    def make() -> list[Request]:
-        requests: list[Request] = []
+    def make() -> list[Submission]:
+        made: list[Submission] = []
         try:
             for text, ids, mm in prompts:
-                requests += ctx.engine.make_requests(text, ids, params, len(requests), start, enable_thinking, mm,
-                                                     tool_calls=tool_calls, cache_salt=cache_salt)
+                made.append(ctx.engine.make_submission(text, ids, params, sum(map(len, made)), start,
+                                                       enable_thinking, mm, tool_calls=tool_calls,
+                                                       cache_salt=cache_salt))
         except (ValueError, TypeError) as e:
-            _release(ctx, requests)
+            ctx.engine.discard(made)
             raise APIError(400, str(e)) from None
-        return requests
+        return made
 
     # Shielded: the thread runs on if the call is cancelled, and its requests' text state must then be dropped.
-    made = asyncio.ensure_future(run_in_threadpool(make))
+    task = asyncio.ensure_future(run_in_threadpool(make))
     try:
-        requests = await asyncio.shield(made)
+        made = await asyncio.shield(task)
     except asyncio.CancelledError:
-        made.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(ctx, f.result()))
+        task.add_done_callback(lambda f: f.cancelled() or f.exception() or ctx.engine.discard(f.result()))
         raise
-    rejected = next((r for r in requests if r.error_code != 200), None)
+    rejected = next((m.error for m in made if m.error is not None), None)
     if rejected is not None:
-        _release(ctx, requests)
-        raise APIError(rejected.error_code, rejected.error_msg or "invalid request")
-    return requests
+        ctx.engine.discard(made)
+        raise APIError(*rejected)
+    return made
 
 
-def _release(ctx: ServingContext, requests: Sequence[Request]) -> None:
-    for request in requests:
-        ctx.engine.output_processor.release(request.request_id)
+def request_ids(submissions: Sequence[Submission]) -> list[str]:
+    return [i for submission in submissions for i in submission.request_ids]
 
 
 async def client_gone(http: HTTPRequest) -> None:
@@ -152,21 +153,23 @@ async def client_gone(http: HTTPRequest) -> None:
         pass
 
 
-async def submit(ctx: ServingContext, requests: list[Request], http: HTTPRequest) -> asyncio.Queue:
-    """Queue the requests of one API call for the engine; the queue their outputs arrive on. With
-    --max-waiting-time, first wait until the engine has scheduled each of them: if one is still waiting for a
-    seat in the running batch after that many seconds, all are aborted and the call fails with HTTP 408
-    (FastDeploy's status for it), before a stream's response starts. A client that leaves meanwhile has its
-    requests aborted (the call then ends with 499, which nobody reads)."""
-    queue = ctx.loop.submit(requests)
+async def submit(ctx: ServingContext, submissions: list[Submission], http: HTTPRequest, stream: bool
+                 ) -> asyncio.Queue:
+    """Queue the prompts of one API call for the engine; the queue their outputs arrive on (stream: deltas,
+    else whole outputs, see EngineLoop.submit). With --max-waiting-time, first wait until the engine has
+    scheduled each request: if one is still waiting for a seat in the running batch after that many seconds,
+    all are aborted and the call fails with HTTP 408 (FastDeploy's status for it), before a stream's response
+    starts. A client that leaves meanwhile has its requests aborted (the call then ends with 499, which nobody
+    reads)."""
+    queue = ctx.loop.submit(submissions, stream)
     if ctx.max_waiting_time is None:
         return queue
+    ids = request_ids(submissions)
     deadline = time.monotonic() + ctx.max_waiting_time
     gone = asyncio.ensure_future(client_gone(http))
     try:
         # A failed engine schedules nothing: request_outputs then reports the failure (500), not a timeout.
-        while not ctx.loop.failed and any(r.metrics.inference_start_time is None and not r.is_finished
-                                          for r in requests):
+        while not ctx.loop.failed and ctx.engine.waiting(ids):
             left = deadline - time.monotonic()
             if gone.done():
                 raise APIError(499, "the client disconnected")
@@ -176,38 +179,35 @@ async def submit(ctx: ServingContext, requests: list[Request], http: HTTPRequest
                                     f"{ctx.engine.config.max_num_seqs}); retry later")
             await asyncio.sleep(min(left, _SCHEDULED_POLL_S))
     except BaseException:  # timed out, the client left, or the call was cancelled while waiting
-        ctx.loop.abort(requests)
+        ctx.loop.abort(ids)
         raise
     finally:
         gone.cancel()
     return queue
 
 
-async def request_outputs(ctx: ServingContext, requests: list[Request], queue: asyncio.Queue,
+async def request_outputs(ctx: ServingContext, submissions: list[Submission], queue: asyncio.Queue,
                           http: HTTPRequest | None = None) -> AsyncIterator[RequestOutput]:
-    """Every output delta of the submitted requests (`queue`: what submit() returned) until all are finished.
+    """Every output of the submitted requests (`queue`: what submit() returned) until all are finished.
     If the caller stops listening (a streaming client went away: the task is cancelled) or `http`'s client
     disconnects (noticed at once, while outputs flow too), the unfinished requests are aborted and their KV
     blocks freed at the next step."""
-    remaining = len(requests)
+    remaining = sum(map(len, submissions))
     gone = asyncio.ensure_future(client_gone(http)) if http is not None else None
     try:
         while remaining:
-            item = await _next_output(queue, gone)
-            if item is None:
+            output = await _next_output(queue, gone)
+            if output is None:
                 raise APIError(499, "the client disconnected")  # nobody reads it
-            if isinstance(item, EngineFailed):
-                raise APIError(500, item.message)
-            if item.error_code >= 500:  # this request alone failed in the engine (its output processing)
-                remaining -= item.finished
-                raise APIError(item.error_code, item.error_msg or "internal error")
-            remaining -= item.finished
-            yield item
+            remaining -= output.finished
+            if output.error_code >= 500:  # failed in the engine: this request alone, or its whole step
+                raise APIError(output.error_code, output.error_msg or "internal error")
+            yield output
     finally:
         if gone is not None:
             gone.cancel()
         if remaining:
-            ctx.loop.abort(requests)
+            ctx.loop.abort(request_ids(submissions))
 
 
 async def _next_output(queue: asyncio.Queue, gone: asyncio.Future | None) -> Any:
@@ -227,9 +227,9 @@ class EventStream(StreamingResponse):
     release) when it ends, however it ends: done, its client gone mid-stream, or gone before the first byte
     (Starlette then cancels the body before it starts, so a `finally` inside the body would never run)."""
 
-    def __init__(self, body: AsyncIterator[str], ctx: ServingContext, requests: Sequence[Request]):
+    def __init__(self, body: AsyncIterator[str], ctx: ServingContext, submissions: Sequence[Submission]):
         super().__init__(body, media_type="text/event-stream")
-        self.on_close: list[Callable[[], None]] = [lambda: ctx.loop.abort(requests)]
+        self.on_close: list[Callable[[], None]] = [lambda: ctx.loop.abort(request_ids(submissions))]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -254,16 +254,17 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(ctx: ServingContext, requests: Sequence[Request], per_prompt: int) -> dict[str, Any]:
-    """OpenAI's usage: prompt tokens counted once per prompt (not per sample), every sample's output, and
-    the prefix-cache hits if the server reports them. per_prompt: the requests of each prompt (n, or best_of
-    candidates), consecutive."""
-    prompt = sum(r.num_prompt_tokens for r in requests[::per_prompt])
-    completion = sum(r.num_output_tokens for r in requests)
+def usage(ctx: ServingContext, submissions: Sequence[Submission], choices: Sequence[Choice]) -> dict[str, Any]:
+    """OpenAI's usage: prompt tokens counted once per prompt (not per sample), every sample's output (best_of
+    candidates not returned included, as OpenAI bills them), and the prefix-cache hits if the server reports
+    them."""
+    prompt = sum(len(s.prompt_token_ids) for s in submissions)
+    completion = sum(len(c.token_ids) for c in choices)
     counts: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                               "total_tokens": prompt + completion}
     if ctx.prompt_tokens_details:
-        counts["prompt_tokens_details"] = {"cached_tokens": sum(r.num_cached_tokens for r in requests[::per_prompt])}
+        first = [s.first_index for s in submissions]  # one sample per prompt: its prompt's hits
+        counts["prompt_tokens_details"] = {"cached_tokens": sum(choices[i].cached_tokens for i in first)}
     return counts
 
 
@@ -289,9 +290,11 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     tool_call_deltas: list[dict[str, Any]] = field(default_factory=list)
+    cached_tokens: int = 0  # the prompt's tokens found in the prefix cache
 
     def add(self, output: RequestOutput) -> None:
         out = output.outputs
+        self.cached_tokens = output.num_cached_tokens
         self.text += out.text or ""
         self.tool_call_deltas += out.tool_calls or []
         if out.reasoning_content is not None:
@@ -302,10 +305,11 @@ class Choice:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
 
-async def gather(ctx: ServingContext, requests: list[Request], queue: asyncio.Queue, http: HTTPRequest
+async def gather(ctx: ServingContext, submissions: list[Submission], queue: asyncio.Queue, http: HTTPRequest
                  ) -> list[Choice]:
-    """Every request's whole output; the requests are aborted the moment `http`'s client disconnects."""
-    choices = [Choice() for _ in requests]
-    async for output in request_outputs(ctx, requests, queue, http):
+    """Every request's whole output, by index (a best_of prompt's candidates best first); the requests are
+    aborted the moment `http`'s client disconnects."""
+    choices = [Choice() for _ in range(sum(map(len, submissions)))]
+    async for output in request_outputs(ctx, submissions, queue, http):
         choices[output.outputs.index].add(output)
     return choices

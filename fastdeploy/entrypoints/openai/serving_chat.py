@@ -12,12 +12,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from fastdeploy.engine.request import Logprob, Request, RequestOutput
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
+from fastdeploy.outputs import Logprob, RequestOutput
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, make_submissions, new_id, now, request_outputs, sampling_params,
     json_logprob, sse, submit, top_entries, usage)
 from fastdeploy.engine.sampling_params import GuidedDecodingParams, SamplingParams
+from fastdeploy.engine.submission import Submission
 from fastdeploy.input.chat_template import RequestTemplate
 from fastdeploy.tool_parsers import check_tool_choice, check_tools, join_call_deltas, known_tool_parsers
 from fastdeploy.tool_parsers.forced import forced_call_parser, forced_call_schema
@@ -55,25 +56,27 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         field = template_field or "messages"
         raise APIError(400, f"{field}: {e}", field) from None
     thinking = bool((body.chat_template_kwargs or {}).get("enable_thinking", True))
-    requests = await make_requests(ctx, [prompt], params, start, thinking, tool_calls=parse_calls,
-                                   cache_salt=body.cache_salt)
+    submissions = await make_submissions(ctx, [prompt], params, start, thinking, tool_calls=parse_calls,
+                                         cache_salt=body.cache_salt)
     call_id, created = new_id("chatcmpl"), now()
     k = body.top_logprobs or 0
-    queue = await submit(ctx, requests, http)
+    queue = await submit(ctx, submissions, http, stream=True)  # deltas: a whole response joins them
     if body.stream:
-        return EventStream(_stream(ctx, body, requests, queue, call_id, created, k, calls_finish), ctx, requests)
-    choices = await gather(ctx, requests, queue, http)
+        return EventStream(_stream(ctx, body, submissions, queue, call_id, created, k, calls_finish), ctx,
+                           submissions)
+    choices = await gather(ctx, submissions, queue, http)
+    prompt_ids = submissions[0].prompt_token_ids
     response = {
         "id": call_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
         "choices": [{
             "index": i,
             "message": {"role": "assistant", **_answer(c), "reasoning_content": c.reasoning,
-                        **_token_ids(body, requests[i], c.token_ids)},
+                        **_token_ids(body, prompt_ids, c.token_ids)},
             "logprobs": chat_logprobs(c.token_ids, c.logprobs, k) if body.logprobs else None,
             "finish_reason": "tool_calls" if c.tool_call_deltas and calls_finish else c.finish_reason,
             "stop_reason": c.stop_reason,
         } for i, c in enumerate(choices)],
-        "usage": usage(ctx, requests, body.n),
+        "usage": usage(ctx, submissions, choices),
     }
     return JSONResponse(response)
 
@@ -122,7 +125,7 @@ def _tools(ctx: ServingContext, body: ChatCompletionRequest, params: SamplingPar
         except ValueError as e:
             raise APIError(400, f"the tools' parameters are not a usable JSON schema: {e}", "tools") from None
         return tools, forced_call_parser(choice), dataclasses.replace(params, guided_decoding=guided)
-    if ctx.engine.output_processor.tool_parser is None:
+    if not ctx.engine.parses_tool_calls:
         raise APIError(400, "tool_choice='auto' needs the server started with --tool-call-parser (one of "
                             f"{known_tool_parsers()})", "tool_choice")
     return tools, True, params
@@ -135,31 +138,33 @@ def _answer(choice: Choice) -> dict[str, Any]:
     return {"content": choice.text or None, "tool_calls": join_call_deltas(choice.tool_call_deltas)}
 
 
-def _token_ids(body: ChatCompletionRequest, request: Request, completion: list[int]) -> dict[str, Any]:
+def _token_ids(body: ChatCompletionRequest, prompt_ids: list[int], completion: list[int]) -> dict[str, Any]:
     if not body.return_token_ids:
         return {}
-    return {"prompt_token_ids": request.prompt_token_ids, "completion_token_ids": completion}
+    return {"prompt_token_ids": prompt_ids, "completion_token_ids": completion}
 
 
-async def _stream(ctx: ServingContext, body: ChatCompletionRequest, requests: list[Request], queue: asyncio.Queue,
-                  call_id: str, created: int, k: int, calls_finish: bool) -> AsyncIterator[str]:
+async def _stream(ctx: ServingContext, body: ChatCompletionRequest, submissions: list[Submission],
+                  queue: asyncio.Queue, call_id: str, created: int, k: int, calls_finish: bool) -> AsyncIterator[str]:
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return sse({"id": call_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
                     "choices": choices, **extra})
 
     try:
-        for i, request in enumerate(requests):  # the first chunk of each choice carries the role
+        choices = [Choice() for _ in range(body.n)]  # for the usage
+        for i in range(body.n):  # the first chunk of each choice carries the role
             delta = {"role": "assistant", "content": ""}
             if body.return_token_ids:
-                delta["prompt_token_ids"] = request.prompt_token_ids
+                delta["prompt_token_ids"] = submissions[0].prompt_token_ids
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
         called: set[int] = set()  # choices that made tool calls
-        async for output in request_outputs(ctx, requests, queue):
+        async for output in request_outputs(ctx, submissions, queue):
+            choices[output.outputs.index].add(output)
             choice = _delta_choice(body, output, k, called, calls_finish)
             for part in _one_call_item_each(choice):
                 yield chunk([part])
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage=usage(ctx, requests, body.n))
+            yield chunk([], usage=usage(ctx, submissions, choices))
     except APIError as e:  # the engine failed mid-stream: say so in the stream, then end it
         yield sse({"error": {"message": e.message, "type": "internal_server_error", "code": e.status}})
     yield SSE_DONE

@@ -12,13 +12,13 @@ from starlette.requests import Request as HTTPRequest
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
-from fastdeploy.engine.engine import best_candidates
-from fastdeploy.engine.request import Logprob, Request
+from fastdeploy.engine.submission import Submission
 from fastdeploy.entrypoints.multimodal import Prepared
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, make_requests, new_id, now, request_outputs, sampling_params,
-    json_logprob, sse, submit, top_entries, usage)
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, make_submissions, new_id, now, request_outputs,
+    sampling_params, json_logprob, sse, submit, top_entries, usage)
+from fastdeploy.outputs import Logprob
 
 
 def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prepared]:
@@ -57,39 +57,30 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, http: 
     params = sampling_params(body.to_sampling_params)
     start = time.time()
     prompts = await run_in_threadpool(_prompts, ctx, body)  # tokenization, off the event loop
-    requests = await make_requests(ctx, prompts, params, start, cache_salt=body.cache_salt)
-    per_prompt = params.num_candidates  # requests of each prompt: n, or best_of candidates
+    submissions = await make_submissions(ctx, prompts, params, start, cache_salt=body.cache_salt)
     call_id, created = new_id("cmpl"), now()
     k = body.logprobs or 0
-    echoes = [_echo(ctx, body, prompts[i // per_prompt]) for i in range(len(requests))] if body.stream else []
-    queue = await submit(ctx, requests, http)
     if body.stream:  # best_of > n was refused: every request is a choice
-        return EventStream(_stream(ctx, body, requests, queue, echoes, call_id, created, k, per_prompt), ctx,
-                           requests)
-    choices = await gather(ctx, requests, queue, http)
+        echoes = [_echo(ctx, body, prompt) for prompt, s in zip(prompts, submissions) for _ in range(len(s))]
+        queue = await submit(ctx, submissions, http, stream=True)
+        return EventStream(_stream(ctx, body, submissions, queue, echoes, call_id, created, k), ctx, submissions)
+    # Deltas, joined here; but best_of candidates come whole once all are done, ranked by the engine.
+    queue = await submit(ctx, submissions, http, stream=not params.ranks_candidates)
+    choices = await gather(ctx, submissions, queue, http)
+    returned = [(p, s.first_index + rank) for p, s in enumerate(submissions) for rank in range(s.num_returned)]
     response = {
         "id": call_id, "object": "text_completion", "created": created, "model": ctx.model_name,
         "choices": [{
-            "index": i, "text": _echo(ctx, body, prompts[p]) + c.text, "reasoning_content": c.reasoning,
-            "logprobs": completion_logprobs(c.token_ids, c.logprobs, k, 0) if body.logprobs is not None else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-            **_token_ids(body, request, c.token_ids),
-        } for i, (p, request, c) in enumerate(_returned(requests, choices, per_prompt))],
+            "index": i, "text": _echo(ctx, body, prompts[p]) + choices[c].text, "reasoning_content": choices[c].reasoning,
+            "logprobs": completion_logprobs(choices[c].token_ids, choices[c].logprobs, k, 0)
+            if body.logprobs is not None else None,
+            "finish_reason": choices[c].finish_reason, "stop_reason": choices[c].stop_reason,
+            **_token_ids(body, submissions[p], choices[c].token_ids),
+        } for i, (p, c) in enumerate(returned)],  # with best_of > n: each prompt's n best candidates, best first
         # Every generated candidate's tokens count, as OpenAI bills best_of.
-        "usage": usage(ctx, requests, per_prompt),
+        "usage": usage(ctx, submissions, choices),
     }
     return JSONResponse(response)
-
-
-def _returned(requests: list[Request], choices: list[Choice], per_prompt: int) -> list[tuple[int, Request, Choice]]:
-    """(prompt index, request, choice) of each choice to return, in order: every request, or with best_of > n
-    each prompt's n best candidates by cumulative logprob, best first (as LLM.generate returns them)."""
-    choice_of = {id(r): c for r, c in zip(requests, choices)}
-    returned = []
-    for p in range(len(requests) // per_prompt):
-        group = requests[p * per_prompt:(p + 1) * per_prompt]
-        returned += [(p, r, choice_of[id(r)]) for r in best_candidates(group)]
-    return returned
 
 
 def _echo(ctx: ServingContext, body: CompletionRequest, prompt: Prepared) -> str:
@@ -99,24 +90,26 @@ def _echo(ctx: ServingContext, body: CompletionRequest, prompt: Prepared) -> str
     return text if text is not None else ctx.engine.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def _token_ids(body: CompletionRequest, request: Request, completion: list[int]) -> dict[str, Any]:
+def _token_ids(body: CompletionRequest, submission: Submission, completion: list[int]) -> dict[str, Any]:
     if not body.return_token_ids:
         return {}
-    return {"prompt_token_ids": request.prompt_token_ids, "completion_token_ids": completion}
+    return {"prompt_token_ids": submission.prompt_token_ids, "completion_token_ids": completion}
 
 
-async def _stream(ctx: ServingContext, body: CompletionRequest, requests: list[Request], queue: asyncio.Queue,
-                  echoes: list[str], call_id: str, created: int, k: int, per_prompt: int) -> AsyncIterator[str]:
+async def _stream(ctx: ServingContext, body: CompletionRequest, submissions: list[Submission], queue: asyncio.Queue,
+                  echoes: list[str], call_id: str, created: int, k: int) -> AsyncIterator[str]:
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         return sse({"id": call_id, "object": "text_completion", "created": created, "model": ctx.model_name,
                     "choices": choices, **extra})
 
     sent = [len(e) for e in echoes]  # characters of each choice's text sent so far (for text_offset)
+    choices = [Choice() for _ in echoes]  # for the usage
     try:
         for i, echo in enumerate(echoes):
             if echo:
                 yield chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
-        async for output in request_outputs(ctx, requests, queue):
+        async for output in request_outputs(ctx, submissions, queue):
+            choices[output.outputs.index].add(output)
             out = output.outputs
             logprobs = None
             if body.logprobs is not None and out.token_ids:
@@ -135,7 +128,7 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, requests: list[R
                 choice["completion_token_ids"] = out.token_ids
             yield chunk([choice])
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage=usage(ctx, requests, per_prompt))
+            yield chunk([], usage=usage(ctx, submissions, choices))
     except APIError as e:
         yield sse({"error": {"message": e.message, "type": "internal_server_error", "code": e.status}})
     yield SSE_DONE

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from fastdeploy.engine.request import CompletionOutput, Logprob, Request, RequestOutput
 from fastdeploy.input.tokenizer import Tokenizer
-from fastdeploy.output.detokenizer import IncrementalDetokenizer
+from fastdeploy.engine.detokenizer import IncrementalDetokenizer
 from fastdeploy.reasoning.parsers import THINK_END, ReasoningParser
 from fastdeploy.tool_parsers.calls import call_deltas, call_dict, new_call_id
 from fastdeploy.tool_parsers.parsers import ParsedCall, ToolParser
