@@ -17,22 +17,23 @@ from collections import deque
 
 import numpy as np
 
+from fastdeploy.config import EngineConfig
 from fastdeploy.engine import guided_requests
 from fastdeploy.engine.block_manager import BlockManager
-from fastdeploy.config import EngineConfig
-from fastdeploy.engine.request import Request, RequestMetrics, RequestOutput
+from fastdeploy.engine.output_processor import OutputProcessor
+from fastdeploy.engine.request import Request
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.engine.submission import EngineStats, RankedGroup, Route, Sink, Submission
-from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
 from fastdeploy.guided.matcher import GuidedDecoding
+from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
 from fastdeploy.input.tokenizer import Tokenizer
-from fastdeploy.engine.output_processor import OutputProcessor
+from fastdeploy.outputs import RequestMetrics, RequestOutput
 from fastdeploy.reasoning.parsers import get_reasoning_parser
+from fastdeploy.step_types import ModelRunnerOutput
 from fastdeploy.tool_parsers.parsers import ToolParser, get_tool_parser
 from fastdeploy.worker.model_runner import ModelRunner
-from fastdeploy.worker.step_types import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

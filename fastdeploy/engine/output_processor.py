@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from fastdeploy.engine.request import CompletionOutput, Logprob, Request, RequestOutput
-from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.engine.detokenizer import IncrementalDetokenizer
+from fastdeploy.engine.request import Request
+from fastdeploy.input.tokenizer import Tokenizer
+from fastdeploy.outputs import CompletionOutput, Logprob, RequestOutput
 from fastdeploy.reasoning.parsers import THINK_END, ReasoningParser
+from fastdeploy.step_types import TopLogprobs
 from fastdeploy.tool_parsers.calls import call_deltas, call_dict, new_call_id
 from fastdeploy.tool_parsers.parsers import ParsedCall, ToolParser
-from fastdeploy.worker.step_types import TopLogprobs
 
 FORCED_THINK_END = "\n" + THINK_END + "\n\n"  # what ends a thinking part cut by reasoning_max_tokens
 

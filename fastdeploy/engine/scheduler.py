@@ -21,7 +21,7 @@ from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestStatus
 from fastdeploy.engine.steady_decode import SteadyDecode
 from fastdeploy.engine.step_builder import ScheduledStep, build_step
-from fastdeploy.worker.step_types import ModelRunnerOutput
+from fastdeploy.step_types import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

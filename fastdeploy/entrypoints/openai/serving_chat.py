@@ -12,14 +12,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
-from fastdeploy.outputs import Logprob, RequestOutput
-from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, make_submissions, new_id, now, request_outputs, sampling_params,
-    json_logprob, sse, submit, top_entries, usage)
 from fastdeploy.engine.sampling_params import GuidedDecodingParams, SamplingParams
 from fastdeploy.engine.submission import Submission
+from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
+from fastdeploy.entrypoints.openai.serving import (
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, json_logprob, make_submissions, new_id, now,
+    request_outputs, sampling_params, sse, submit, top_entries, usage)
 from fastdeploy.input.chat_template import RequestTemplate
+from fastdeploy.outputs import Logprob, RequestOutput
 from fastdeploy.tool_parsers import check_tool_choice, check_tools, join_call_deltas, known_tool_parsers
 from fastdeploy.tool_parsers.forced import forced_call_parser, forced_call_schema
 from fastdeploy.tool_parsers.parsers import ToolParser
