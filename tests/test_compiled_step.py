@@ -14,7 +14,7 @@ from fastdeploy import ops
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, block_table_array
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.model_config import ModelConfig
-from fastdeploy.ops.sampling import Sampler, param_table
+from fastdeploy.sampling.sampler import Sampler, param_table
 from fastdeploy.step_types import ForwardBatch, SamplingBatch
 from fastdeploy.worker.compiled_step import CompiledDecoder, unsupported_reason
 from fastdeploy.worker.model_runner import run_step

@@ -18,7 +18,7 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy.ops.sampling import Sampler
+from fastdeploy.sampling.sampler import Sampler
 from fastdeploy.sampling import filters as lp
 from fastdeploy.step_types import SamplingBatch
 

@@ -12,7 +12,7 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy.ops.sampling import Sampler
+from fastdeploy.sampling.sampler import Sampler
 from fastdeploy.sampling.reference import draw
 from fastdeploy.step_types import SamplingBatch
 

@@ -1,5 +1,5 @@
-"""The compiled sampling op (fastdeploy.ops.sample, custom_ops/kern_sampling.inc) against the numpy
-sampler it reimplements (fastdeploy.ops.sample_reference, which runs
+"""The compiled sampling op (fastdeploy.sampling.sampler.sample, custom_ops/kern_sampling.inc) against the numpy
+sampler it reimplements (fastdeploy.sampling.sampler.sample_reference, which runs
 fastdeploy.sampling.reference.sample_numpy).
 
 Both return each row's token and, for sampled rows, the filter threshold tau (the row kept the tokens
@@ -26,8 +26,8 @@ import pytest
 
 from fastdeploy import ops
 from fastdeploy.ops import build
-from fastdeploy.ops import sampling as sampling_mod
-from fastdeploy.ops.sampling import Sampler, pack_token_ids
+from fastdeploy.sampling import sampler as sampling_mod
+from fastdeploy.sampling.sampler import Sampler, pack_token_ids
 from fastdeploy.step_types import SamplingBatch
 
 LIB = build.library()
@@ -160,8 +160,8 @@ def assert_matches_reference(logits: np.ndarray, batch: SamplingBatch, uniforms:
     """Compiled op vs reference on one batch; returns the number of sampled rows compared."""
     vocab = logits.shape[1]
     args = op_args(batch, uniforms, vocab)
-    tokens, tau = ops.sample(paddle.to_tensor(logits), return_thresholds=True, **args)
-    ref_tokens, ref_tau = ops.sample_reference(logits, return_thresholds=True, **args)
+    tokens, tau = sampling_mod.sample(paddle.to_tensor(logits), return_thresholds=True, **args)
+    ref_tokens, ref_tau = sampling_mod.sample_reference(logits, return_thresholds=True, **args)
     greedy = args["greedy"]
     np.testing.assert_array_equal(tokens[greedy], ref_tokens[greedy])
     assert np.isnan(tau[greedy]).all() and np.isnan(ref_tau[greedy]).all()
@@ -207,13 +207,13 @@ def test_ties_at_the_cut_are_kept():
     x = np.array([[5, 4, 4, 4, 3, 2, 4, 1]] * 2, dtype=np.float32)
     batch = SamplingBatch.from_lists(2, top_k=[2, 6], uniforms=[0.0] * 2)
     args = op_args(batch, np.array([0.5, 0.5]), 8)
-    _, tau = ops.sample(x, return_thresholds=True, **args)
+    _, tau = sampling_mod.sample(x, return_thresholds=True, **args)
     np.testing.assert_array_equal(tau, [4, 3])  # 2nd largest: 4, all four 4s stay; 6th: 3
     assert_matches_reference(x, batch, np.linspace(0, 0.999, 2))
     # every kept token is reachable, in token order: sweep the uniforms over one row
     u = np.linspace(0, 1, 64, endpoint=False)
     sweep = SamplingBatch.from_lists(64, top_k=2, uniforms=[0.0] * 64)
-    tokens = ops.sample(np.repeat(x[:1], 64, axis=0), **op_args(sweep, u, 8))
+    tokens = sampling_mod.sample(np.repeat(x[:1], 64, axis=0), **op_args(sweep, u, 8))
     assert set(tokens.tolist()) == {0, 1, 2, 3, 6} and (np.diff(tokens) >= 0).all()
 
 
@@ -223,9 +223,9 @@ def test_all_but_one_banned_and_vocab_of_one():
     banned = [[t for t in range(vocab) if t != 1234]] * 3
     batch = SamplingBatch.from_lists(3, temperature=[0.0, 0.7, 1.5], top_p=[1.0, 0.5, 1.0], top_k=[0, 0, 10],
                                      banned_token_ids=banned, uniforms=[0.0] * 3)
-    np.testing.assert_array_equal(ops.sample(logits, **op_args(batch, np.array([0.0, 0.3, 0.999]), vocab)), 1234)
+    np.testing.assert_array_equal(sampling_mod.sample(logits, **op_args(batch, np.array([0.0, 0.3, 0.999]), vocab)), 1234)
     one = SamplingBatch.from_lists(2, temperature=[0.0, 1.0], top_p=0.5, uniforms=[0.0] * 2)
-    np.testing.assert_array_equal(ops.sample(np.ones((2, 1), np.float32), **op_args(one, np.array([0, 0.9]), 1)), 0)
+    np.testing.assert_array_equal(sampling_mod.sample(np.ones((2, 1), np.float32), **op_args(one, np.array([0, 0.9]), 1)), 0)
 
 
 def test_penalties_match_their_definitions():
@@ -240,7 +240,7 @@ def test_penalties_match_their_definitions():
                                      banned_token_ids=[[int(np.argmax(logits[r]))] for r in range(rows)],
                                      uniforms=[0.0] * rows)
     expected = [int(np.argmax(scaled_logits(logits, batch, r, scale=False))) for r in range(rows)]
-    np.testing.assert_array_equal(ops.sample(logits, **op_args(batch, np.zeros(rows), vocab)), expected)
+    np.testing.assert_array_equal(sampling_mod.sample(logits, **op_args(batch, np.zeros(rows), vocab)), expected)
 
 
 def test_rows_without_a_finite_maximum():
@@ -253,10 +253,10 @@ def test_rows_without_a_finite_maximum():
         temperature[bad] = 1.0
         batch = SamplingBatch.from_lists(4, temperature=temperature, uniforms=[0.0] * 4)
         with pytest.raises(ValueError, match=f"logits of row {bad} are all -inf or hold NaN/inf"):
-            ops.sample(logits, **op_args(batch, np.full(4, 0.5), 50))
+            sampling_mod.sample(logits, **op_args(batch, np.full(4, 0.5), 50))
     # greedy rows take numpy's argmax: the first NaN, the first +inf, index 0 of an all -inf row
     greedy = SamplingBatch.from_lists(4, temperature=0.0, uniforms=[0.0] * 4)
-    np.testing.assert_array_equal(ops.sample(logits, **op_args(greedy, np.zeros(4), 50)), logits.argmax(axis=1))
+    np.testing.assert_array_equal(sampling_mod.sample(logits, **op_args(greedy, np.zeros(4), 50)), logits.argmax(axis=1))
 
 
 def test_rows_do_not_depend_on_batch_threads_or_isa():
@@ -268,7 +268,7 @@ def test_rows_do_not_depend_on_batch_threads_or_isa():
         ops.set_isa(isa_name)
         for threads in (1, 2):
             ops.set_num_threads(threads)
-            results.append(ops.sample(logits, return_thresholds=True, **args))
+            results.append(sampling_mod.sample(logits, return_thresholds=True, **args))
     ops.set_isa("best")
     ops.set_num_threads(0)
     for tokens, tau in results[1:]:
@@ -277,7 +277,7 @@ def test_rows_do_not_depend_on_batch_threads_or_isa():
     for r in (0, 5, 23):  # each row alone
         alone = SamplingBatch(**{f: getattr(batch, f)[r:r + 1] for f in SamplingBatch.__slots__
                                  if getattr(batch, f) is not None})
-        tokens, tau = ops.sample(logits[r:r + 1], return_thresholds=True, **op_args(alone, uniforms[r:r + 1], 4099))
+        tokens, tau = sampling_mod.sample(logits[r:r + 1], return_thresholds=True, **op_args(alone, uniforms[r:r + 1], 4099))
         assert tokens[0] == results[0][0][r] and np.array_equal(tau, results[0][1][r:r + 1], equal_nan=True)
 
 
@@ -286,8 +286,8 @@ def test_logits_are_left_unchanged():
     logits, batch, uniforms = random_batch(rng, 16, 257)
     tensor, array = paddle.to_tensor(logits), logits.copy()
     args = op_args(batch, uniforms, 257)
-    ops.sample(tensor, **args)
-    ops.sample(array, **args)
+    sampling_mod.sample(tensor, **args)
+    sampling_mod.sample(array, **args)
     np.testing.assert_array_equal(tensor.numpy(), logits)
     np.testing.assert_array_equal(array, logits)
 
@@ -297,19 +297,19 @@ def test_wrapper_rejects_bad_arguments():
     args = op_args(batch, np.array([0.1, 0.2]), 10)
     logits = np.zeros((2, 10), np.float32)
     with pytest.raises(TypeError, match="float32"):
-        ops.sample(logits.astype(np.float64), **args)
+        sampling_mod.sample(logits.astype(np.float64), **args)
     with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
-        ops.sample(np.zeros(10, np.float32), **args)
+        sampling_mod.sample(np.zeros(10, np.float32), **args)
     with pytest.raises(ValueError, match="top_p"):
-        ops.sample(logits, **{**args, "top_p": np.ones(3)})
+        sampling_mod.sample(logits, **{**args, "top_p": np.ones(3)})
     with pytest.raises(ValueError, match="token_offsets"):
-        ops.sample(logits, **{**args, "token_offsets": args["token_offsets"][:-1]})
+        sampling_mod.sample(logits, **{**args, "token_offsets": args["token_offsets"][:-1]})
     with pytest.raises(ValueError, match="token_ids"):
-        ops.sample(logits, **{**args, "token_ids": np.array([1, 2, 10])})
+        sampling_mod.sample(logits, **{**args, "token_ids": np.array([1, 2, 10])})
     with pytest.raises(ValueError, match="uniforms"):
-        ops.sample(logits, **{**args, "uniforms": np.array([0.5, 1.0])})
+        sampling_mod.sample(logits, **{**args, "uniforms": np.array([0.5, 1.0])})
     with pytest.raises(ValueError, match="temperature"):  # only greedy rows may have temperature 0
-        ops.sample(logits, **{**args, "temperature": np.array([1.0, 0.0])})
+        sampling_mod.sample(logits, **{**args, "temperature": np.array([1.0, 0.0])})
     with pytest.raises(ValueError, match="banned_token_ids"):
         pack_token_ids(SamplingBatch.from_lists(1, banned_token_ids=[[10]], uniforms=[0.0]), 10)
 
@@ -318,10 +318,10 @@ def test_falls_back_to_the_reference_without_the_library(monkeypatch):
     rng = np.random.default_rng(4)
     logits, batch, uniforms = random_batch(rng, 20, 300)
     args = op_args(batch, uniforms, 300)
-    expected = ops.sample_reference(logits, return_thresholds=True, **args)
+    expected = sampling_mod.sample_reference(logits, return_thresholds=True, **args)
     monkeypatch.setattr(build, "_tried", True)
     monkeypatch.setattr(build, "_library", None)
-    fallback = ops.sample(logits, return_thresholds=True, **args)
+    fallback = sampling_mod.sample(logits, return_thresholds=True, **args)
     np.testing.assert_array_equal(fallback[0], expected[0])
     np.testing.assert_array_equal(fallback[1], expected[1])
 
@@ -359,7 +359,7 @@ def test_plain_greedy_batches_skip_the_op_with_the_same_tokens(monkeypatch):
     batch.output_token_ids = [[7]] * 6
     fast = Sampler()(paddle.to_tensor(logits), batch)
     assert calls == []
-    expected = ops.sample(paddle.to_tensor(logits), greedy=np.ones(6, bool), uniforms=np.zeros(6),
+    expected = sampling_mod.sample(paddle.to_tensor(logits), greedy=np.ones(6, bool), uniforms=np.zeros(6),
                           temperature=np.zeros(6, np.float32), top_k=np.zeros(6, np.int64),
                           top_p=np.ones(6, np.float32), min_p=np.zeros(6, np.float32),
                           repetition_penalty=np.ones(6, np.float32), frequency_penalty=np.zeros(6, np.float32),

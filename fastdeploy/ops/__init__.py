@@ -16,7 +16,6 @@ from fastdeploy.ops.pack import pack_into, pack_weight
 from fastdeploy.ops.quant import (FORMATS, PackedWeight, empty_packed, pack_into_reference,
                                    pack_weight_reference, unpack_weight)
 from fastdeploy.ops.rotary import apply_rotary_, apply_rotary_reference, rotary_cos_sin, rotary_embedding_
-from fastdeploy.ops.sampling import sample, sample_reference
 
 __all__ = [
     "FORMATS", "PackedWeight", "apply_rotary_", "apply_rotary_reference", "bidirectional_attention",
@@ -27,5 +26,5 @@ __all__ = [
     "rms_norm_reference", "rotary_cos_sin",
     "rotary_embedding_", "runtime_info", "set_isa", "set_num_threads", "share_cores", "silu_and_mul", "silu_and_mul_reference",
     "unpack_weight", "weight_only_linear", "weight_only_linear_reference",
-    "sample", "sample_reference", "select_experts",
+    "select_experts",
 ]

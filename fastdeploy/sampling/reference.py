@@ -1,4 +1,4 @@
-"""The numpy sampler: the reference of the compiled op `fastdeploy.ops.sample` (and its fallback).
+"""The numpy sampler: the reference of the compiled op `fastdeploy.sampling.sampler.sample` (and its fallback).
 
 Order (vLLM V1 / FastDeploy): banned ids -> repetition, frequency, presence penalties on the raw
 logits -> greedy rows take the argmax -> temperature -> top_k -> top_p -> min_p -> renormalise ->
@@ -92,7 +92,7 @@ def sample_numpy(view: np.ndarray, batch: SamplingBatch, greedy: np.ndarray, uni
     `greedy` [B] marks the rows that take the argmax; each other row inverts its filtered CDF at its
     uniform (float64 [B], read only for those rows). `thresholds` (float32 [B]), if given, receives
     each sampled row's filter threshold (it kept logit / temperature >= it). Also the reference of
-    fastdeploy.ops.sample.
+    fastdeploy.sampling.sampler.sample.
     """
     scratch = Scratch() if scratch is None else scratch
     n_rows, vocab = view.shape

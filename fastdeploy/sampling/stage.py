@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import paddle
 
-from fastdeploy.ops.sampling import Sampler, param_table
+from fastdeploy.sampling.sampler import Sampler, param_table
 from fastdeploy.ops.token_bitmask import apply_token_bitmask_
 from fastdeploy.sampling.logprobs import step_logprobs
 from fastdeploy.step_types import ModelRunnerOutput, SchedulerOutput

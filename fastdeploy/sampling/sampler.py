@@ -1,5 +1,6 @@
 """Token sampling for a step's logits: bans, penalties, greedy argmax or temperature / top-k / top-p /
-min-p and an inverse-CDF draw, for the whole batch in one compiled call.
+min-p and an inverse-CDF draw, for the whole batch in one call of the compiled op `fd_sample`
+(custom_ops/kern_sampling.inc).
 
 The semantics are the numpy sampler's (fastdeploy/sampling/reference.py), its reference. Each sampled
 row comes with its uniform (drawn by the caller from the row's own generator), so a row's token never
@@ -14,8 +15,6 @@ import numpy as np
 import paddle
 
 from fastdeploy.ops.build import call_op, compiled
-# The op's numpy reference and fallback. It sits in the sampling package, the one layer over ops that ops
-# imports: reference.py and filters.py import nothing from fastdeploy but step_types (tests/test_imports.py).
 from fastdeploy.sampling.filters import Scratch
 from fastdeploy.sampling.reference import sample_numpy
 from fastdeploy.step_types import SamplingBatch
