@@ -229,3 +229,16 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]  # [S]
     logprobs: list[TopLogprobs] = field(default_factory=list)  # one per SchedulerOutput.logprob_rows entry
     prompt_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per prompt row
+
+
+def block_table_array(tables: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
+    """int64 [B, widest table] of the requests' block tables, zero-padded (such an array: itself)."""
+    if isinstance(tables, np.ndarray) and tables.ndim == 2 and tables.dtype == np.int64:
+        return tables
+    width = max(max(map(len, tables), default=0), 1)
+    if all(len(t) == width for t in tables):
+        return np.array(tables, dtype=np.int64).reshape(len(tables), width)
+    out = np.zeros((len(tables), width), dtype=np.int64)
+    for b, table in enumerate(tables):
+        out[b, :len(table)] = table
+    return out

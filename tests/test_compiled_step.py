@@ -11,7 +11,8 @@ import paddle
 import pytest
 
 from fastdeploy import ops
-from fastdeploy.model_executor.forward_context import allocate_kv_caches, block_table_array
+from fastdeploy.model_executor.forward_context import allocate_kv_caches
+from fastdeploy.step_types import block_table_array
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.sampling.sampler import Sampler, param_table

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fastdeploy.input.tokenizer import Tokenizer
-from fastdeploy.engine.detokenizer import IncrementalDetokenizer
+from fastdeploy.engine.output_processor import IncrementalDetokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NAMES = ("ernie_sp", "bpe_json")

@@ -1,4 +1,4 @@
-"""A decoding batch moved on in place (engine/steady_decode.py) against the same steps built anew."""
+"""A decoding batch moved on in place (engine/step_builder.py) against the same steps built anew."""
 import dataclasses
 import json
 import types
@@ -11,7 +11,7 @@ from fastdeploy import LLM, SamplingParams as Params
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestMetrics
 from fastdeploy.engine.scheduler import Scheduler
-from fastdeploy.engine.steady_decode import SteadyDecode
+from fastdeploy.engine.step_builder import SteadyDecode
 from fastdeploy.step_types import ModelRunnerOutput
 
 PARAMS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=5), dict(temperature=0, repetition_penalty=1.3),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastdeploy.engine.request import Request
-from fastdeploy.model_executor.forward_context import block_table_array
+from fastdeploy.step_types import block_table_array
 
 
 @dataclass(slots=True)

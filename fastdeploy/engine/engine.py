@@ -165,8 +165,9 @@ class LLMEngine:
         if params.reasoning_max_tokens is not None and self.output_processor.reasoning_parser is None:
             raise ValueError("reasoning_max_tokens needs a thinking model run with reasoning_parser set on the LLM")
         self.output_processor.start(request, prompt, index, enable_thinking, tool_calls)
-        error = error or self._validate(request) or guided_requests.attach_grammar(self.guided, self.output_processor,
-                                                                                   request)
+        error = error or self._validate(request)
+        if not error and params.guided_decoding is not None:
+            error = guided_requests.attach_grammar(self.guided, self.output_processor, request)
         if error:
             request.error_code, request.error_msg = 400, error
             request.finish("abort")
@@ -273,17 +274,21 @@ class LLMEngine:
             if aborted or not self.scheduler.has_unfinished():
                 return aborted
             raise RuntimeError("scheduler made no progress: no request fits the KV cache")
-        masks = guided_requests.start_masks(self.guided, step)  # computed while the forward runs
+        constrained = any(r.grammar is not None for r in step.samplers)
+        # The grammar masks are computed on the mask worker while the forward runs.
+        masks = guided_requests.start_masks(self.guided, step) if constrained else None
         try:
             output = self.runner.execute(step.model_input, masks.wait if masks else None)
         finally:
             if masks is not None:
                 masks.wait()  # the matchers are not touched again before their masks are done
         stepped = self.scheduler.update_from_output(step, output)
-        guided_requests.advance(self.scheduler, step.samplers,
-                                lambda request, e: self._fail_request(request, e, "guided decoding"))
+        if constrained:
+            guided_requests.advance(self.scheduler, step.samplers,
+                                    lambda request, e: self._fail_request(request, e, "guided decoding"))
         self._process_text(step, output)
-        guided_requests.activate_after_reasoning(self.output_processor, step.samplers)
+        if constrained:
+            guided_requests.activate_after_reasoning(self.output_processor, step.samplers)
         return aborted + stepped
 
     def _take_inbox(self) -> list[Request]:

@@ -8,7 +8,7 @@ its blocks are freed and it is recomputed later (its generated tokens are kept).
 
 The scheduler owns the requests' progress. `schedule()` turns the chosen requests into the runner's
 SchedulerOutput (step_builder.py; a plain decoding batch moves its last step on instead,
-steady_decode.py). `update_from_output()` applies the runner's ModelRunnerOutput (computed tokens,
+step_builder.py). `update_from_output()` applies the runner's ModelRunnerOutput (computed tokens,
 cached blocks, new tokens, stop checks, finishing and freeing) in one place.
 """
 from __future__ import annotations
@@ -19,8 +19,7 @@ from collections import deque
 
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestStatus
-from fastdeploy.engine.steady_decode import SteadyDecode
-from fastdeploy.engine.step_builder import ScheduledStep, build_step
+from fastdeploy.engine.step_builder import ScheduledStep, SteadyDecode, build_step
 from fastdeploy.step_types import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)

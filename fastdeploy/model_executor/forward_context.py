@@ -13,6 +13,7 @@ import numpy as np
 import paddle
 
 from fastdeploy.ops.kv_cache import allocate_cache
+from fastdeploy.step_types import block_table_array
 
 
 @dataclass(slots=True)
@@ -56,19 +57,6 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     """One [2, num_blocks, kv heads, block_size, row] cache per layer, `dtype` "float32", "bfloat16" or
     "block_wise_fp8" (fastdeploy/ops/kv_cache.py)."""
     return [allocate_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype) for _ in range(num_layers)]
-
-
-def block_table_array(tables: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
-    """int64 [B, widest table] of the requests' block tables, zero-padded (such an array: itself)."""
-    if isinstance(tables, np.ndarray) and tables.ndim == 2 and tables.dtype == np.int64:
-        return tables
-    width = max(max(map(len, tables), default=0), 1)
-    if all(len(t) == width for t in tables):
-        return np.array(tables, dtype=np.int64).reshape(len(tables), width)
-    out = np.zeros((len(tables), width), dtype=np.int64)
-    for b, table in enumerate(tables):
-        out[b, :len(table)] = table
-    return out
 
 
 def attention_metadata(query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],

@@ -22,7 +22,7 @@ from fastdeploy.step_types import ModelRunnerOutput, SchedulerOutput
 def sampler_alone(step: SchedulerOutput) -> bool:
     """Nothing but the sampler reads the step's logits: every logit row samples (no prompt-logprob rows) and
     no row has a grammar mask, a logit bias or logprobs to report. Bans and penalties are the sampling
-    rows' own business (SamplingBatch.untouched_logits); engine/steady_decode.py keeps a decoding step for
+    rows' own business (SamplingBatch.untouched_logits); engine/step_builder.py's SteadyDecode keeps a decoding step for
     reuse only when this holds too."""
     return (len(step.forward.logit_rows) == step.num_samples and not len(step.guided_rows)
             and not len(step.bias_rows) and not len(step.logprob_rows))

@@ -25,12 +25,11 @@ from paddle import nn
 from fastdeploy import ops
 from fastdeploy.ops.build import OpsLibrary
 from fastdeploy.ops.kv_cache import FP8_SCALE_BYTES, cache_kind
-from fastdeploy.model_executor.forward_context import block_table_array
 from fastdeploy.model_executor.layers.linear import GatedMLP
 from fastdeploy.model_executor.layers.moe import SparseMoE
 from fastdeploy.model_executor.layers.moe_multimodal import MultimodalMoE
 from fastdeploy.ops.quant import FORMATS, PackedWeight
-from fastdeploy.step_types import ForwardBatch
+from fastdeploy.step_types import ForwardBatch, block_table_array
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +264,7 @@ class CompiledDecoder:
     def _batch(self, inputs: ForwardBatch) -> _Batch:
         """The batch as the library takes it (it derives query starts and cache slots itself: at one stream
         the numpy calls that built them here cost about as much as the attention over a short context).
-        The engine moves a decoding batch on by updating its arrays in place (engine/steady_decode.py), so
+        The engine moves a decoding batch on by updating its arrays in place (engine/step_builder.py's SteadyDecode), so
         when the library reads the arrays themselves, not copies, their _Batch is kept for the next step."""
         arrays = (inputs.token_ids, inputs.positions, inputs.query_lens, inputs.context_lens, inputs.block_tables,
                   inputs.logit_rows)
