@@ -164,10 +164,10 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=arrival, request_start_time=arrival))
         if params.reasoning_max_tokens is not None and self.output_processor.reasoning_parser is None:
             raise ValueError("reasoning_max_tokens needs a thinking model run with reasoning_parser set on the LLM")
-        self.output_processor.start(request, prompt, index, enable_thinking, tool_calls)
+        reasoning = self.output_processor.start(request, prompt, index, enable_thinking, tool_calls)
         error = error or self._validate(request)
         if not error and params.guided_decoding is not None:
-            error = guided_requests.attach_grammar(self.guided, self.output_processor, request)
+            error = guided_requests.attach_grammar(self.guided, request, reasoning)
         if error:
             request.error_code, request.error_msg = 400, error
             request.finish("abort")
@@ -286,9 +286,9 @@ class LLMEngine:
         if constrained:
             guided_requests.advance(self.scheduler, step.samplers,
                                     lambda request, e: self._fail_request(request, e, "guided decoding"))
-        self._process_text(step, output)
+        thinking_over = self._process_text(step, output)
         if constrained:
-            guided_requests.activate_after_reasoning(self.output_processor, step.samplers)
+            guided_requests.activate_after_reasoning(thinking_over)
         return aborted + stepped
 
     def _take_inbox(self) -> list[Request]:
@@ -302,9 +302,12 @@ class LLMEngine:
                 aborted.append(request)
         return aborted
 
-    def _process_text(self, step: ScheduledStep, output: ModelRunnerOutput) -> None:
+    def _process_text(self, step: ScheduledStep, output: ModelRunnerOutput) -> list[Request]:
+        """Decode the step's tokens (stop strings, forced end of thinking, logprob entries); the requests whose
+        thinking part has ended."""
         processor = self.output_processor
         tokens = output.sampled_token_ids
+        thinking_over: list[Request] = []
         for (request, position), top in zip(step.prompt_rows, output.prompt_logprobs):
             try:
                 processor.add_prompt_logprobs(request, position, top)
@@ -330,6 +333,9 @@ class LLMEngine:
                 self.scheduler.finish_request(request, "stop", events.stop_string)
             if events.forced_tokens:
                 request.forced_tokens = events.forced_tokens
+            if events.thinking_over:
+                thinking_over.append(request)
+        return thinking_over
 
     def _fail_request(self, request: Request, error: BaseException, stage: str) -> None:
         """A bug or a pathological output in one request's text side finishes that request alone (error 500,

@@ -16,18 +16,15 @@ from fastdeploy.engine.request import Request
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.guided.matcher import GrammarMasks, GuidedDecoding
-from fastdeploy.engine.output_processor import OutputProcessor
-from fastdeploy.reasoning.parsers import THINK_END
 
 
-def attach_grammar(guided: GuidedDecoding, processor: OutputProcessor, request: Request) -> str | None:
-    """Give a request with params.guided_decoding its matcher; the error (for error_code 400) when the
-    spec cannot be used with this model."""
+def attach_grammar(guided: GuidedDecoding, request: Request, reasoning: bool) -> str | None:
+    """Give a request with params.guided_decoding its matcher (waiting for the end of the thinking part when
+    its output begins with one: `reasoning`); the error (for error_code 400) when the spec cannot be used
+    with this model."""
     spec = request.params.guided_decoding
     if spec is None:
         return None
-    state = processor.states.get(request.request_id)
-    reasoning = state is not None and state.reasoning
     if reasoning and not request.params.detokenize:
         return "guided_decoding on a thinking output needs detokenize=True (the end of thinking is found in the text)"
     try:
@@ -78,12 +75,10 @@ def advance(scheduler: Scheduler, samplers: Sequence[Request],
             scheduler.finish_request(request, "stop")
 
 
-def activate_after_reasoning(processor: OutputProcessor, samplers: Sequence[Request]) -> None:
-    """Start the constraint of requests whose thinking part ended with this step's token."""
-    for request in samplers:
+def activate_after_reasoning(requests: Sequence[Request]) -> None:
+    """Start the waiting constraint of requests whose thinking part has ended (the output processor said so
+    of this step's token), once any forced end-of-thinking tokens are out."""
+    for request in requests:
         state = request.grammar
-        if state is None or state.active or request.is_finished or request.forced_tokens:
-            continue
-        text = processor.states.get(request.request_id)
-        if text is not None and THINK_END in text.text:
+        if state is not None and not state.active and not request.is_finished and not request.forced_tokens:
             state.start = request.num_output_tokens

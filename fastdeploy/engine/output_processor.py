@@ -110,6 +110,7 @@ class TokenEvents:
 
     stop_string: str | None = None  # matched: finish the request with it
     forced_tokens: list[int] = field(default_factory=list)  # to emit next (end of a cut thinking part)
+    thinking_over: bool = False  # the output's thinking part has ended (a waiting grammar may start)
 
 
 class OutputProcessor:
@@ -121,17 +122,19 @@ class OutputProcessor:
         self.states: dict[str, TextState] = {}
 
     def start(self, request: Request, prompt: str | None, index: int, enable_thinking: bool,
-              tool_calls: bool | ToolParser = False) -> None:
-        """tool_calls: parse tool calls out of this output (a chat given tools) with the tool parser, if there
-        is one, or with the parser given (calls forced by tool_choice)."""
+              tool_calls: bool | ToolParser = False) -> bool:
+        """Start the request's text state; whether its output begins with a thinking part (the reasoning
+        parser applies). tool_calls: parse tool calls out of this output (a chat given tools) with the tool
+        parser, if there is one, or with the parser given (calls forced by tool_choice)."""
         parser = self.reasoning_parser
-        self.states[request.request_id] = TextState(
+        state = self.states[request.request_id] = TextState(
             index=index, prompt=prompt,
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                request.params.skip_special_tokens),
             reasoning=parser is not None and parser.starts_in_reasoning(prompt, enable_thinking),
             tool_parser=tool_calls if isinstance(tool_calls, ToolParser) else self.tool_parser if tool_calls else None,
             prompt_logprobs=[None] if request.wants_prompt_logprobs else None)
+        return state.reasoning
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -153,6 +156,7 @@ class OutputProcessor:
             state.num_reasoning_tokens += 1
             if state.num_reasoning_tokens == limit and not request.forced_tokens:
                 events.forced_tokens = self.tokenizer.encode(FORCED_THINK_END, add_special_tokens=False)
+        events.thinking_over = state.reasoning and THINK_END in state.text
         return events
 
     @staticmethod
