@@ -135,7 +135,7 @@ def run_child(ckpt: str, fmt: str, workloads: list[str], kernels: str) -> dict:
     experts = hf.get("moe_num_experts", 1)
     result = {"load_s": load_s, "load_peak_rss_gib": load_rss,
               "weights_gib": weight_bytes(runner.model) / 2**30,
-              "kv_pool_gib": runner.num_blocks * runner._kv_block_bytes() / 2**30,
+              "kv_pool_gib": runner.num_blocks * runner.kv_block_bytes / 2**30,
               "decode_bytes_per_token": decode_bytes_per_token(runner.model, hf.get("moe_k", 1), experts),
               "runtime": ops.runtime_info()}
     rng = np.random.default_rng(0)

@@ -9,7 +9,7 @@ import pytest
 from conftest import REFERENCE
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
-from fastdeploy.worker.model_runner import log_softmax as runner_log_softmax
+from fastdeploy.sampling.logprobs import log_softmax as runner_log_softmax
 
 PROMPTS = [[17, 250, 33, 480, 91, 700, 12, 5], [9, 8, 7], list(range(40, 75))]
 

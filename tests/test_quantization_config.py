@@ -73,7 +73,7 @@ def test_fp8_kv_cache_holds_a_byte_and_a_row_scale_per_value():
     assert all(c.dtype == paddle.uint8 and c.shape[-1] == mc.head_dim + 4 for c in runner.kv_caches)
     bf16 = LLM(model=str(TINY_HF), max_model_len=256).engine.runner
     assert bf16.kv_caches[0].dtype == paddle.bfloat16
-    ratio = runner._kv_block_bytes() / bf16._kv_block_bytes()
+    ratio = runner.kv_block_bytes / bf16.kv_block_bytes
     assert ratio == (mc.head_dim + 4) / (2 * mc.head_dim)
 
 

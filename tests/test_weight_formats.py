@@ -65,7 +65,7 @@ def test_dtype_and_lm_head_fp32_choose_the_formats():
     bf16 = LLM(model=str(MOE), max_model_len=256, dtype="bf16")
     assert packed_formats(bf16) == as_stored
     assert bf16.engine.runner.kv_caches[0].dtype == paddle.bfloat16
-    assert bf16.engine.runner._kv_block_bytes() * 2 == fp32.engine.runner._kv_block_bytes()
+    assert bf16.engine.runner.kv_block_bytes * 2 == fp32.engine.runner.kv_block_bytes
     # float32 holds the stored bf16 values exactly
     bf16_weights = named_weights(LLM(model=str(MOE), max_model_len=256).engine.runner.model)
     for name, w in named_weights(fp32.engine.runner.model).items():

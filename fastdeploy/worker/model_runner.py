@@ -23,18 +23,14 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
 from fastdeploy.model_executor.load import load_model
-from fastdeploy.model_executor.memory_plan import available_memory_bytes, host_memory_bytes, resident_bytes
-from fastdeploy.ops.kv_cache import row_bytes
-from fastdeploy.sampling.logprobs import log_softmax  # noqa: F401  (re-export: tests/test_logprobs_n_stream.py)
 from fastdeploy.sampling.stage import SamplingStage, sample_in_forward
 from fastdeploy.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, VisionSlice
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
-from fastdeploy.worker.worker_group import WorkerError, WorkerGroup, deferred_sigint
+from fastdeploy.worker.kv_plan import kv_block_bytes, num_kv_blocks
+from fastdeploy.worker.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
-
-ACTIVATION_RESERVE = 0.1  # share of the memory budget kept for activations
 
 
 @paddle.no_grad()
@@ -111,7 +107,7 @@ class ModelRunner:
             self._ask_workers()  # loaded
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
             self.sampling = SamplingStage(config.logprobs_mode)
-            self.num_blocks = self._num_kv_blocks()
+            self.num_blocks = num_kv_blocks(config, self.tp.size, self.worker_pids)
             # All ranks hold the same blocks, each its own heads.
             self._ask_workers(messages.AllocateKV(self.num_blocks))
         except BaseException:
@@ -144,37 +140,10 @@ class ModelRunner:
         """Each worker rank's parameters (its shard of the model), in rank order; for inspection."""
         return [reply.weights for reply in self._ask_workers(messages.GetParameters())]
 
-    def _kv_block_bytes(self) -> int:
-        """Bytes of one KV block over all ranks (they share this host's memory)."""
-        mc = self.config.model_config
-        heads = kv_heads_per_rank(mc.num_key_value_heads, self.tp.size) * self.tp.size
-        row = row_bytes(mc.head_dim, self.config.kv_cache_dtype)
-        return 2 * mc.num_hidden_layers * self.config.block_size * heads * row
-
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_gpu_blocks_override is not None:
-            logger.info("total_block_num:%d (num_gpu_blocks_override)", cfg.num_gpu_blocks_override)
-            return cfg.num_gpu_blocks_override
-        # No GPU: the budget is a share of host memory, less what the ranks hold resident now that the
-        # weights are loaded, and an activation reserve; never more than the host still has available.
-        share = host_memory_bytes() * cfg.gpu_memory_utilization
-        resident = resident_bytes() + sum(resident_bytes(pid) for pid in self.worker_pids)
-        reserve = int(share * ACTIVATION_RESERVE)
-        budget = min(int(share) - resident, available_memory_bytes()) - reserve
-        by_memory = max(budget // self._kv_block_bytes(), 0)
-        # More blocks than max_num_seqs full-length requests can use would only sit idle in RAM.
-        by_use = cfg.max_num_seqs * cfg.max_blocks_per_seq
-        num_blocks = int(min(by_memory, by_use))
-        if num_blocks < cfg.max_blocks_per_seq:
-            raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves room for {num_blocks} KV "
-                             f"blocks, fewer than one max_model_len={cfg.max_model_len} request needs "
-                             f"({cfg.max_blocks_per_seq}); raise it or lower max_model_len")
-        logger.info("KV cache from host memory: gpu_memory_utilization=%.2f of %.1f GiB allows %d blocks; "
-                    "total_block_num:%d (block_size %d, %.1f MiB)", cfg.gpu_memory_utilization,
-                    host_memory_bytes() / 2**30, by_memory, num_blocks, cfg.block_size,
-                    num_blocks * self._kv_block_bytes() / 2**20)
-        return num_blocks
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block over all ranks."""
+        return kv_block_bytes(self.config, self.tp.size)
 
     def execute(self, step: SchedulerOutput, wait_for_masks: Callable[[], object] | None = None) -> ModelRunnerOutput:
         """Forward and sample the step. `wait_for_masks`: returns once step.token_bitmask is filled (the engine
@@ -198,19 +167,9 @@ class ModelRunner:
 
     def _layer_forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
         """The batch's logits layer by layer (run_step), on every tensor-parallel rank."""
-        if self.workers is None:
+        def forward() -> paddle.Tensor | None:
             return run_step(self.model, inputs, self.config.block_size, self.kv_caches, self.vision)
-        # Every rank runs the same forward; Ctrl-C waits until the step's collectives are done.
-        with deferred_sigint():
-            self.workers.send_all(messages.Step(inputs))
-            try:
-                return run_step(self.model, inputs, self.config.block_size, self.kv_caches, self.vision)
-            except BaseException as e:
-                dead = self.workers.dead_workers(grace_s=0.2)
-                self.workers.close(kill=True)  # the others may be waiting in a collective that never comes
-                if dead:
-                    raise WorkerError(f"tensor-parallel {dead} during a step; create a new LLM") from e
-                raise
+        return forward() if self.workers is None else self.workers.run_step(inputs, forward)
 
     def warmup(self) -> None:
         """One forward over a full budget of tokens so the first real step runs at speed."""

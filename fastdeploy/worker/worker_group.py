@@ -28,15 +28,17 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TypeVar
 
+from fastdeploy.config import EngineConfig
 from fastdeploy.distributed import channel
 from fastdeploy.distributed.parallel_state import TPGroup
 from fastdeploy.distributed.shm_comm import ShmComm, create_segment
-from fastdeploy.config import EngineConfig
+from fastdeploy.step_types import ForwardBatch
 from fastdeploy.worker import messages
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TOKEN_BYTES = 16
 HELLO = struct.Struct("<I")  # the worker's rank, after its token
@@ -176,6 +178,21 @@ class WorkerGroup:
             raise WorkerError(f"tensor-parallel {dead}; its error is printed above")
 
     # ---- after startup ------------------------------------------------------------------------
+    def run_step(self, inputs: ForwardBatch, forward: Callable[[], T]) -> T:
+        """Send the step to every worker and run rank 0's `forward` of it: every rank runs the same forward,
+        whose collectives keep them in step. Ctrl-C waits until the step is done; a failure stops the workers
+        (the others may be waiting in a collective that never comes)."""
+        with deferred_sigint():
+            self.send_all(messages.Step(inputs))
+            try:
+                return forward()
+            except BaseException as e:
+                dead = self.dead_workers(grace_s=0.2)
+                self.close(kill=True)
+                if dead:
+                    raise WorkerError(f"tensor-parallel {dead} during a step; create a new LLM") from e
+                raise
+
     def send_all(self, message: object) -> None:
         if self.closed:
             raise WorkerError("the tensor-parallel workers were stopped after an earlier error; create a new LLM")
