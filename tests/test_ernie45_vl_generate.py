@@ -150,7 +150,7 @@ def test_media_are_encoded_once_per_request_across_chunks(chunked, monkeypatch):
 
 def test_mm_processor_kwargs(llm):
     """image_max_pixels shrinks the image's tokens; unknown keys are refused by name."""
-    from fastdeploy.input.ernie4_5_vl_processor import MediaProcessor
+    from fastdeploy.model_executor.models.ernie4_5_vl.processor import MediaProcessor
 
     small = LLM(model=str(VL), max_model_len=512, num_gpu_blocks_override=64, use_warmup=0, dtype="float32",
                 mm_processor_kwargs={"image_max_pixels": 56 * 56})

@@ -23,14 +23,14 @@ import pytest
 
 from fastdeploy import ops
 from fastdeploy.distributed.parallel_state import TPGroup
-from fastdeploy.input.ernie4_5_vl_positions import prompt_positions, text_positions, token_types
+from fastdeploy.model_executor.models.ernie4_5_vl.positions import prompt_positions, text_positions, token_types
 from fastdeploy.model_executor.checkpoint import Checkpoint
-from fastdeploy.model_executor.ernie4_5_vl_config import Ernie45VLConfig
+from fastdeploy.model_executor.models.ernie4_5_vl.config import Ernie45VLConfig
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
 from fastdeploy.model_executor.layers.moe_multimodal import ModalitySplit, MultimodalMoE
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.model_config import ModelConfig
-from fastdeploy.model_executor.models.ernie4_5_vl import Rotary3D
+from fastdeploy.model_executor.models.ernie4_5_vl.model import Rotary3D
 
 from test_ernie45_vl_vision import image_inputs, video_inputs
 

@@ -20,9 +20,10 @@ import paddle
 import pytest
 from PIL import Image
 
-from fastdeploy.input.image_processor import ImageProcessorConfig, normalize, patchify, preprocess_image
+from fastdeploy.model_executor.models.ernie4_5_vl.image_processor import (
+    ImageProcessorConfig, normalize, patchify, preprocess_image)
 from fastdeploy.model_executor.checkpoint import Checkpoint
-from fastdeploy.model_executor.models.ernie4_5_vl_vision import Ernie4_5_VLVisionEncoder, VisionConfig
+from fastdeploy.model_executor.models.ernie4_5_vl.vision import Ernie4_5_VLVisionEncoder, VisionConfig
 from fastdeploy.model_executor.weight_format import named_weights
 
 from conftest import compiled_ops

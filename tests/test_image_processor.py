@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastdeploy.input.image_processor import ImageProcessorConfig, preprocess_image, smart_resize
+from fastdeploy.model_executor.models.ernie4_5_vl.image_processor import (
+    ImageProcessorConfig, preprocess_image, smart_resize)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))

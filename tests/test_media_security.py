@@ -22,7 +22,7 @@ from PIL import Image
 
 from conftest import serve
 
-from fastdeploy.input.ernie4_5_vl_processor import MediaProcessor
+from fastdeploy.model_executor.models.ernie4_5_vl.processor import MediaProcessor
 from fastdeploy.input.media import TRUSTED, MediaPolicy, load_image, read_bytes
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from fastdeploy.input.video_processor import (
+from fastdeploy.model_executor.models.ernie4_5_vl.video_processor import (
     VideoProcessorConfig,
     draw_timestamp,
     format_timestamp,

@@ -27,7 +27,7 @@ from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.engine.submission import EngineStats, RankedGroup, Route, Sink, Submission
 from fastdeploy.guided.matcher import GuidedDecoding
-from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
+from fastdeploy.model_executor.models.ernie4_5_vl.processor import MultimodalInputs
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.outputs import RequestMetrics, RequestOutput
 from fastdeploy.reasoning.parsers import get_reasoning_parser

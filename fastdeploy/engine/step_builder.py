@@ -24,7 +24,7 @@ import numpy as np
 
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request
-from fastdeploy.input.ernie4_5_vl_positions import text_positions
+from fastdeploy.model_executor.models.ernie4_5_vl.positions import text_positions
 from fastdeploy.sampling import rows as sampling_rows
 from fastdeploy.sampling.rows import logprob_transforms
 from fastdeploy.sampling.stage import sampler_alone

@@ -8,7 +8,8 @@ from typing import Any
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.entrypoints.prompts import PROMPT_KEYS, Prepared, TextPrompts, render_chat_text, tokenize_prompt
-from fastdeploy.input.ernie4_5_vl_processor import MediaProcessor, media_of_messages, multimodal_data_media, prepare
+from fastdeploy.model_executor.models.ernie4_5_vl.processor import (
+    MediaProcessor, media_of_messages, multimodal_data_media, prepare)
 from fastdeploy.input.media import TRUSTED, MediaError, MediaPolicy
 from fastdeploy.input.tokenizer import Tokenizer
 

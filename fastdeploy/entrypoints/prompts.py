@@ -8,7 +8,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from fastdeploy.input.ernie4_5_vl_processor import MultimodalInputs
+from fastdeploy.model_executor.models.ernie4_5_vl.processor import MultimodalInputs
 from fastdeploy.input.media import MediaError
 from fastdeploy.input.tokenizer import Tokenizer
 

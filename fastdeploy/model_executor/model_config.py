@@ -5,7 +5,7 @@ describe the model with the same field names; they differ in where the dtype (`t
 and the rotary base (top-level `rope_theta` or `rope_parameters.rope_theta`) are written. Fields only one
 architecture has (MoE routing, q/k norms) are read by its model class through `ModelConfig.fields()`.
 ERNIE-4.5-VL's text fields may be nested in `text_config`; its multimodal settings are parsed into
-`multimodal` (ernie4_5_vl_config.py).
+`multimodal` (models/ernie4_5_vl/config.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdeploy.model_executor.ernie4_5_vl_config import Ernie45VLConfig, is_ernie_vl, text_view
+from fastdeploy.model_executor.models.ernie4_5_vl.config import Ernie45VLConfig, is_ernie_vl, text_view
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Ernie4_5_ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),  # Paddle spelling, same model
     "Ernie4_5_MoeForCausalLM": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),  # both layouts' spelling
     # ERNIE-4.5-VL: transformers', Baidu's (-PT, -Paddle) and FastDeploy's name, and transformers' old alias
-    "Ernie4_5_VLMoeForConditionalGeneration": ("ernie4_5_vl", "Ernie4_5_VLMoeForConditionalGeneration"),
-    "Ernie4_5_VL_MoeForConditionalGeneration": ("ernie4_5_vl", "Ernie4_5_VLMoeForConditionalGeneration"),
+    "Ernie4_5_VLMoeForConditionalGeneration": ("ernie4_5_vl.model", "Ernie4_5_VLMoeForConditionalGeneration"),
+    "Ernie4_5_VL_MoeForConditionalGeneration": ("ernie4_5_vl.model", "Ernie4_5_VLMoeForConditionalGeneration"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
 }
@@ -56,4 +56,4 @@ class ModelRegistry:
     @classmethod
     def is_multimodal_model(cls, architectures: str | list[str]) -> bool:
         names = [architectures] if isinstance(architectures, str) else list(architectures)
-        return any(arch in _MODELS and _MODELS[arch][0] == "ernie4_5_vl" for arch in names)
+        return any(arch in _MODELS and _MODELS[arch][0] == "ernie4_5_vl.model" for arch in names)

@@ -24,8 +24,9 @@ import av
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from fastdeploy.input.image_processor import CLIP_MEAN, CLIP_STD, ImageProcessorConfig, patchify, smart_resize
 from fastdeploy.input.media import TRUSTED, MediaPolicy, read_bytes
+from fastdeploy.model_executor.models.ernie4_5_vl.image_processor import (
+    CLIP_MEAN, CLIP_STD, ImageProcessorConfig, patchify, smart_resize)
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ Grid = Sequence[Sequence[int]]  # (t, h, w) in patches, per item
 
 
 class TokenIds(Protocol):
-    """The special token ids (model_executor.ernie4_5_vl_config.VLTokenIds has these fields)."""
+    """The special token ids (config.VLTokenIds has these fields)."""
 
     image: int
     image_start: int

@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from fastdeploy.input.ernie4_5_vl_positions import item_tokens, prompt_positions, token_types
-from fastdeploy.input.image_processor import ImageProcessorConfig, preprocess_image
 from fastdeploy.input.media import TRUSTED, MediaPolicy, load_image
 from fastdeploy.input.tokenizer import Tokenizer
-from fastdeploy.input.video_processor import VideoProcessorConfig, preprocess_frames, process_video
+from fastdeploy.model_executor.models.ernie4_5_vl.image_processor import ImageProcessorConfig, preprocess_image
+from fastdeploy.model_executor.models.ernie4_5_vl.positions import item_tokens, prompt_positions, token_types
+from fastdeploy.model_executor.models.ernie4_5_vl.video_processor import (
+    VideoProcessorConfig, preprocess_frames, process_video)
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """ERNIE-4.5-VL's vision side: the DFN-RoPE ViT (`vision_model`) and the variable-resolution resampler
 (`resampler_model`) that turns its patch features into text-width tokens.
 
-Input: `pixel_values` [N, in_channels * patch_size**2] float32 as `fastdeploy/input/image_processor.py`
+Input: `pixel_values` [N, in_channels * patch_size**2] float32 as `image_processor.py`
 makes them (each frame's patches in merge-block order: every 2x2 block of patches is 4 consecutive rows)
 and `grid_thw`, one (t, h, w) per image or video in patches, N = sum of t*h*w.
 - Tower: patch embedding (linear, no bias), `depth` pre-LayerNorm blocks (eps 1e-6) of attention with 2-D

@@ -1,9 +1,9 @@
 """ERNIE-4.5-VL (ERNIE-4.5-VL-28B-A3B, -424B-A47B): the ERNIE-4.5 MoE decoder with one expert set per
-modality (layers/moe_multimodal.py), 3-D rotary positions, and the vision encoder (ernie4_5_vl_vision.py)
+modality (layers/moe_multimodal.py), 3-D rotary positions, and the vision encoder (vision.py)
 whose output rows replace the embeddings of the image / video placeholder tokens.
 
 Per step the model takes the ragged batch the engine builds, plus what only multimodal requests have:
-- `positions` [3, T] (t, h, w) from `fastdeploy.input.ernie4_5_vl_positions` (prompt tokens: the
+- `positions` [3, T] (t, h, w) from `positions.py` (prompt tokens: the
   prompt's columns; later tokens: index + rope_delta on every axis). A [T] tensor is a text-only batch
   (t = h = w), what the engine passes today: exact for requests without images, since their
   rope_delta is 0 and every token is text.
@@ -33,11 +33,11 @@ from fastdeploy.model_executor.layers.rotary import CosSin
 from fastdeploy.model_executor.model_config import CONFIG_FILE, ModelConfig
 from fastdeploy.model_executor.models.decoder import dense_mlp
 from fastdeploy.model_executor.models.ernie4_5 import Ernie4_5ForCausalLM
-from fastdeploy.model_executor.models.ernie4_5_vl_vision import Ernie4_5_VLVisionEncoder, Grid, VisionConfig
+from fastdeploy.model_executor.models.ernie4_5_vl.vision import Ernie4_5_VLVisionEncoder, Grid, VisionConfig
 
 logger = logging.getLogger(__name__)
 
-# Checkpoint prefixes of the vision tower and resampler (every spelling ernie4_5_vl_vision.py reads).
+# Checkpoint prefixes of the vision tower and resampler (every spelling vision.py reads).
 VISION_PREFIXES = ("model.vision_model.", "vision_model.", "model.resampler_model.", "ernie.resampler_model.",
                    "resampler_model.")
 
