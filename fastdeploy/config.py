@@ -19,7 +19,6 @@ DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32":
           "float": "float32"}
 MAX_NUM_SEQS_LIMIT = 256
 DEFAULT_CHUNKED_BUDGET = 2048  # FastDeploy's token budget when chunked prefill is on
-DEFAULT_KV_CACHE_RATIO = 0.75
 LOAD_CHOICES = ("default", "default_v1")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
@@ -93,7 +92,9 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = param(None, "exact number of KV blocks (skips the memory estimate)")
     max_num_batched_tokens: int | None = param(
         None, "token budget of one step (default: max_model_len, or 2048 with chunked prefill)")
-    kv_cache_ratio: float = param(0.75, "FastDeploy's older prompt/output block split; validated, not needed here")
+    kv_cache_ratio: float = param(
+        0.75, "share of the KV blocks new prompts may take while other requests run; the rest is kept for "
+              "their outputs to grow into (1: no reserve)")
     enable_prefix_caching: bool = param(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = param(False, "compute a prompt longer than the step budget over several steps")
     use_warmup: int = param(0, "1: run one full-budget forward at start-up")
@@ -163,11 +164,6 @@ class EngineConfig:
         _check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, allow_none=True)
         _check_fraction("kv_cache_ratio", self.kv_cache_ratio)
-        if self.kv_cache_ratio != DEFAULT_KV_CACHE_RATIO:
-            raise NotImplementedError(
-                f"kv_cache_ratio={self.kv_cache_ratio} is not implemented: FastDeploy's older scheduler splits the KV "
-                "blocks between prefill and decode by it; this engine's scheduler shares one pool (only the default "
-                f"{DEFAULT_KV_CACHE_RATIO} is accepted)")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_int("use_warmup", int(self.use_warmup) if isinstance(self.use_warmup, bool) else self.use_warmup, 0, 1)

@@ -51,9 +51,22 @@ def test_batch_of_32_mixed_lengths(tiny_hf, alone):
 
 
 def test_small_kv_pool_preempts_and_recomputes(tiny_hf, alone):
-    llm, tokens = run(tiny_hf, max_num_seqs=16, num_gpu_blocks_override=24, enable_prefix_caching=False)
+    llm, tokens = run(tiny_hf, max_num_seqs=16, num_gpu_blocks_override=24, enable_prefix_caching=False,
+                      kv_cache_ratio=1.0)  # no reserve: prompts take the whole pool, outputs then preempt
     assert llm.engine.scheduler.num_preemptions > 0
     assert tokens == alone
+
+
+def test_kv_cache_ratio_keeps_a_reserve_that_spares_preemptions(tiny_hf, alone):
+    """FastDeploy's kv_cache_ratio: while requests run, new prompts may take only that share of the pool, so
+    the running requests' outputs grow into the rest instead of preempting each other."""
+    preemptions = {}
+    for ratio in (1.0, 0.75, 800 / (800 + 500)):  # FastDeploy's worked example: 800 prompt / 500 output tokens
+        llm, tokens = run(tiny_hf, max_num_seqs=16, num_gpu_blocks_override=24, enable_prefix_caching=False,
+                          kv_cache_ratio=ratio)
+        assert tokens == alone
+        preemptions[ratio] = llm.engine.scheduler.num_preemptions
+    assert preemptions[1.0] > preemptions[0.75] >= preemptions[800 / 1300], preemptions
 
 
 def test_chunked_prefill_small_budget(tiny_hf, alone):

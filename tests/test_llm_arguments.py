@@ -115,7 +115,7 @@ def test_engine_worker_queue_port_takes_fastdeploys_forms(tiny_hf, value, port):
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"engine_worker_queue_port": "9001,9002"}, ValueError, "one port per data-parallel rank"),
     ({"engine_worker_queue_port": "abc"}, ValueError, "engine_worker_queue_port"),
-    ({"kv_cache_ratio": 0.5}, NotImplementedError, "kv_cache_ratio"),
+    ({"kv_cache_ratio": 1.5}, ValueError, "kv_cache_ratio"),
     ({"kv_cache_ratio": 0}, ValueError, "kv_cache_ratio"),
     ({"dtype": "float16"}, ValueError, "dtype"),
     ({"load_choices": "fast"}, ValueError, "load_choices"),

@@ -55,7 +55,7 @@ PARAMETERS_MD = [
     ("gpu_memory_utilization", ["--gpu-memory-utilization", "0.5"], HONOURED, 0.5),
     ("num_gpu_blocks_override", ["--num-gpu-blocks-override", "100"], HONOURED, 100),
     ("max_num_batched_tokens", ["--max-num-batched-tokens", "128"], HONOURED, 128),
-    ("kv_cache_ratio", ["--kv-cache-ratio", "0.5"], REFUSED, ["--kv-cache-ratio", "0.75"]),
+    ("kv_cache_ratio", ["--kv-cache-ratio", "0.5"], HONOURED, 0.5),
     ("enable_prefix_caching", ["--no-enable-prefix-caching"], HONOURED, False),
     ("swap_space", ["--swap-space", "4"], REFUSED, []),
     ("enable_chunked_prefill", ["--enable-chunked-prefill"], HONOURED, True),

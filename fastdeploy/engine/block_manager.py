@@ -84,6 +84,13 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def free_after(self, request: Request, num_new_tokens: int, prefix_hits: Sequence[int] = ()) -> int:
+        """Free blocks left if the request (with no blocks yet) got blocks for its computed tokens, the prefix
+        hits it adopts and num_new_tokens more."""
+        revived = sum(self.blocks[b].ref_count == 0 for b in prefix_hits)
+        num_target = request.num_computed_tokens + len(prefix_hits) * self.block_size + num_new_tokens
+        return len(self.free) - revived - (self.blocks_needed(num_target) - len(prefix_hits))
+
     def allocate(self, request: Request, num_new_tokens: int, prefix_hits: Sequence[int] = ()) -> bool:
         """Give the request blocks for num_new_tokens more tokens after its computed ones and the
         prefix hits it adopts (when it has no blocks yet). False, with nothing changed, if the pool is

@@ -27,8 +27,9 @@ from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.engine.submission import EngineStats, RankedGroup, Route, Sink, Submission
 from fastdeploy.guided.matcher import GuidedDecoding
-from fastdeploy.model_executor.models.ernie4_5_vl.processor import MultimodalInputs
 from fastdeploy.input.tokenizer import Tokenizer
+from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import placeholder_error
+from fastdeploy.model_executor.multimodal import MultimodalInputs
 from fastdeploy.outputs import RequestMetrics, RequestOutput
 from fastdeploy.reasoning.parsers import get_reasoning_parser
 from fastdeploy.step_types import ModelRunnerOutput
@@ -48,7 +49,7 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.kv_cache_ratio)
         mc = config.model_config
         eos = mc.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.eos_token_ids = frozenset(eos)
@@ -211,9 +212,8 @@ class LLMEngine:
         if bad:
             return f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}"
         vl = cfg.model_config.multimodal
-        if vl is not None and request.mm is None and {vl.tokens.image, vl.tokens.video} & set(request.prompt_token_ids):
-            return ("the prompt holds image/video placeholder token ids but no media; pass the images/videos with "
-                    "the prompt text (multimodal_data, or content parts in chat)")
+        if vl is not None and (error := placeholder_error(vl.tokens, request.prompt_token_ids, request.mm is not None)):
+            return error
         if n >= cfg.max_model_len:
             return (f"the prompt has {n} tokens; max_model_len={cfg.max_model_len} leaves no room for output "
                     "(the prompt must be shorter than max_model_len)")

@@ -4,7 +4,10 @@ There are no prefill and decode phases: each step every scheduled request gets e
 tokens for its computed tokens to catch up with its known tokens, within the step's budget. A
 prompt chunk and a single decode token are the same thing. Running requests go first, then
 waiting ones in arrival order. When blocks run out, the newest running request is preempted:
-its blocks are freed and it is recomputed later (its generated tokens are kept).
+its blocks are freed and it is recomputed later (its generated tokens are kept). While others run, a
+new prompt is admitted only if its whole prompt leaves (1 - kv_cache_ratio) of the blocks free, as
+FastDeploy's kv_cache_ratio: that reserve is for the running requests' outputs to grow into, so a burst of
+long prompts does not push them into preemption.
 
 The scheduler owns the requests' progress. `schedule()` turns the chosen requests into the runner's
 SchedulerOutput (step_builder.py; a plain decoding batch moves its last step on instead,
@@ -27,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool):
+                 enable_chunked_prefill: bool, kv_cache_ratio: float = 1.0):
         self.block_manager = block_manager
+        self.decode_reserve = int(len(block_manager.blocks) * (1.0 - kv_cache_ratio))  # blocks, see the module doc
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -77,6 +81,8 @@ class Scheduler:
                 break  # a sibling sample waits one step to reuse its leader's cached prompt blocks
             hits = self.block_manager.match_prefix(request)
             num_new = request.num_tokens - request.num_computed_tokens - len(hits) * self.block_manager.block_size
+            if self.running and self.block_manager.free_after(request, num_new, hits) < self.decode_reserve:
+                break  # the rest of the pool is the running requests' to grow into
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
