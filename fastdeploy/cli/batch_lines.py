@@ -80,7 +80,7 @@ def _completion_prompts(prompt: Any) -> list[PromptItem]:
     return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
 
 
-def _check_chat(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+def _check_chat(body: ChatCompletionRequest, parses_tool_calls: bool) -> list[dict[str, Any]] | None:
     """The body's tools; APIError for what a chat body cannot ask of an offline batch."""
     if not body.messages:
         raise APIError(400, "messages must be a non-empty list of {'role', 'content'} objects", "messages")
@@ -99,13 +99,15 @@ def _check_chat(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
         # LLM.chat's offline tool calling is 'auto' (parsed with --tool-call-parser); forcing calls is the server's.
         raise APIError(400, f"tool_choice={body.tool_choice!r}: run-batch supports only 'auto' with tools",
                        "tool_choice")
+    if tools and not parses_tool_calls:  # as the server: calls would come back as plain text
+        raise APIError(400, "tool_choice='auto' needs run-batch started with --tool-call-parser", "tool_choice")
     return tools
 
 
-def parse_line(text: str, line: int, model_names: Sequence[str]) -> BatchRequest:
+def parse_line(text: str, line: int, model_names: Sequence[str], parses_tool_calls: bool = False) -> BatchRequest:
     """The request of one input line; LineFailure if it gives an error line instead. `model_names`: the names
     a body's model may have, the served name first (as the server: the checkpoint directory's name, or the
-    --model argument as typed)."""
+    --model argument as typed). parses_tool_calls: the engine has a --tool-call-parser."""
     custom_id = None
     try:
         item = json.loads(text)
@@ -128,12 +130,13 @@ def parse_line(text: str, line: int, model_names: Sequence[str]) -> BatchRequest
     if not isinstance(item.get("body"), dict):
         raise LineFailure(line, custom_id, "body must be a JSON object (the endpoint's request body)")
     try:
-        return _request(line, custom_id, url, item["body"], model_names)
+        return _request(line, custom_id, url, item["body"], model_names, parses_tool_calls)
     except APIError as e:
         raise LineFailure(line, custom_id, e.message, e.status, e.param) from None
 
 
-def _request(line: int, custom_id: str, url: str, raw: dict[str, Any], model_names: Sequence[str]) -> BatchRequest:
+def _request(line: int, custom_id: str, url: str, raw: dict[str, Any], model_names: Sequence[str],
+             parses_tool_calls: bool) -> BatchRequest:
     try:
         body = ENDPOINTS[url](**raw)
     except ValidationError as e:
@@ -145,7 +148,7 @@ def _request(line: int, custom_id: str, url: str, raw: dict[str, Any], model_nam
         raise APIError(400, "stream: a batch's responses are whole; leave stream out or false", "stream")
     params = sampling_params(body.to_sampling_params)  # the server's mapping and its 400s
     if isinstance(body, ChatCompletionRequest):
-        tools = _check_chat(body)
+        tools = _check_chat(body, parses_tool_calls)
         return BatchRequest(line, custom_id, url, body, params, [body.messages], tools)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (it needs the prompt's logprobs)", "echo")

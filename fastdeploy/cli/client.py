@@ -150,6 +150,9 @@ def run_chat(args: argparse.Namespace) -> int:
     except ClientError as e:
         print(f"fastdeploy chat: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C ends the session like Ctrl-D, without a traceback
+        print()
+        return 130
     return 0
 
 
@@ -167,4 +170,7 @@ def run_complete(args: argparse.Namespace) -> int:
     except ClientError as e:
         print(f"fastdeploy complete: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print()
+        return 130
     return 0

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     parsed: list[BatchRequest | LineFailure] = []
     for number, text in lines:
         try:
-            parsed.append(parse_line(text, number, names))
+            parsed.append(parse_line(text, number, names, config.tool_call_parser is not None))
         except LineFailure as failure:
             parsed.append(failure)
     llm = LLM(**{f.name: getattr(args, f.name) for f in ENGINE_FIELDS})
