@@ -10,7 +10,7 @@ import numpy as np
 
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.guided.matcher import GrammarState
-from fastdeploy.model_executor.models.ernie4_5_vl.processor import MultimodalInputs
+from fastdeploy.model_executor.multimodal import MultimodalInputs
 from fastdeploy.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: F401 (FastDeploy's path)
 
 

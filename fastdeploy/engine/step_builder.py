@@ -24,7 +24,7 @@ import numpy as np
 
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request
-from fastdeploy.model_executor.models.ernie4_5_vl.positions import text_positions
+from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import chunk_inputs
 from fastdeploy.sampling import rows as sampling_rows
 from fastdeploy.sampling.rows import logprob_transforms
 from fastdeploy.sampling.stage import sampler_alone
@@ -66,29 +66,16 @@ def _int64(values: list[int]) -> np.ndarray:
 
 
 def add_multimodal(forward: ForwardBatch, requests: list[Request], counts: list[int]) -> None:
-    """3-D positions, token types and vision rows of a step with a multimodal request: prompt tokens take
-    the prepared positions; later tokens index + rope_delta on all axes, type 0; text requests t = h = w."""
+    """3-D positions, token types and vision rows of a step with a multimodal request (the family's
+    step_inputs.chunk_inputs says what each request's chunk takes)."""
     positions, types = [], []
     for request, n in zip(requests, counts):
-        begin, mm = request.num_computed_tokens, request.mm
-        if mm is None:
-            positions.append(np.broadcast_to(np.arange(begin, begin + n, dtype=np.int64), (3, n)))
-            types.append(np.zeros(n, np.int64))
-            continue
-        prompt_end = min(begin + n, request.num_prompt_tokens)
-        pos, kinds = [mm.positions[:, begin:prompt_end]], [mm.token_types[begin:prompt_end]]
-        if begin + n > prompt_end:
-            first = max(begin, request.num_prompt_tokens)
-            pos.append(text_positions(first, begin + n - first, mm.rope_delta))
-            kinds.append(np.zeros(begin + n - first, np.int64))
-        positions.append(np.concatenate(pos, axis=1))
-        types.append(np.concatenate(kinds))
-        if begin < request.num_prompt_tokens:
-            rows = np.isin(np.asarray(request.prompt_token_ids[:prompt_end]), mm.placeholder_ids)
-            lo, hi = int(rows[:begin].sum()), int(rows.sum())
-            if lo < mm.num_vision_rows:  # also a text-only chunk before more media: keeps its rows encoded
-                forward.vision.append(VisionSlice(request.request_id, mm.pixel_values, mm.grid_thw, mm.row_order,
-                                                  lo, hi))
+        mm = request.mm
+        pos, kinds, rows = chunk_inputs(mm, request.prompt_token_ids, request.num_computed_tokens, n)
+        positions.append(pos)
+        types.append(kinds)
+        if rows is not None:
+            forward.vision.append(VisionSlice(request.request_id, mm.pixel_values, mm.grid_thw, mm.row_order, *rows))
     forward.positions = np.ascontiguousarray(np.concatenate(positions, axis=1))
     forward.token_types = np.concatenate(types)
 

@@ -8,9 +8,9 @@ from typing import Any, Union
 
 import numpy as np
 
-from fastdeploy.model_executor.models.ernie4_5_vl.processor import MultimodalInputs
 from fastdeploy.input.media import MediaError
 from fastdeploy.input.tokenizer import Tokenizer
+from fastdeploy.model_executor.multimodal import MultimodalInputs
 
 PromptType = Union[str, list[int], dict[str, Any]]
 Prepared = tuple[str | None, list[int], MultimodalInputs | None]  # prompt text, token ids, media

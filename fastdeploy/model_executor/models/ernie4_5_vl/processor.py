@@ -23,6 +23,7 @@ from fastdeploy.model_executor.models.ernie4_5_vl.image_processor import ImagePr
 from fastdeploy.model_executor.models.ernie4_5_vl.positions import item_tokens, prompt_positions, token_types
 from fastdeploy.model_executor.models.ernie4_5_vl.video_processor import (
     VideoProcessorConfig, preprocess_frames, process_video)
+from fastdeploy.model_executor.multimodal import MultimodalInputs
 
 logger = logging.getLogger(__name__)
 
@@ -32,27 +33,6 @@ VIDEO_MARKERS = ("<|VIDEO_PLACEHOLDER|>", "<|video@placeholder|>")
 _MARKER = re.compile("|".join(re.escape(m) for m in IMAGE_MARKERS + VIDEO_MARKERS))
 MM_PROCESSOR_KEYS = ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels", "video_fps",
                      "video_min_frames", "video_max_frames", "video_target_frames")
-
-
-@dataclass(slots=True)
-class MultimodalInputs:
-    """A prepared multimodal prompt. `pixel_values` holds the images' patches then the videos'; the vision
-    rows the encoder makes from them are reordered to prompt order with `row_order`."""
-
-    positions: np.ndarray  # [3, S] int64
-    token_types: np.ndarray  # [S] int64
-    rope_delta: int
-    pixel_values: np.ndarray  # float32 [patches, 3 * 14 * 14]
-    grid_thw: list[tuple[int, int, int]]  # images then videos
-    row_order: np.ndarray  # [placeholders] int64: encoder row of each placeholder, in prompt order
-    num_image_tokens: int
-    num_video_tokens: int
-    content_hash: bytes  # SHA-256 of the pixels and grids
-    placeholder_ids: tuple[int, int]  # image, video placeholder token ids
-
-    @property
-    def num_vision_rows(self) -> int:
-        return int(self.row_order.size)
 
 
 @dataclass(slots=True)
