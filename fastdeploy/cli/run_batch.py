@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from fastdeploy.cli.batch_bodies import chat_body, completion_body
 from fastdeploy.cli.batch_engine import BatchEngine, LineResult
@@ -13,6 +14,7 @@ from fastdeploy.cli.batch_lines import BatchRequest, LineFailure, failure_line, 
 from fastdeploy.engine.args_utils import ENGINE_FIELDS
 from fastdeploy.entrypoints.openai.cli_args import engine_config, make_parser
 from fastdeploy.entrypoints.openai.protocol import error_body
+from fastdeploy.input.tokenizer import Tokenizer
 
 # The server parser's groups whose flags run-batch takes: the LLM(...) parameters, and FastDeploy's ones this
 # engine does not implement (refused away from their defaults, naming the flag, as the server refuses them).
@@ -55,7 +57,7 @@ def _read_lines(path: Path) -> list[tuple[int, str]]:
         raise ValueError(f"--input-file {path}: cannot be read ({e})") from None
 
 
-def _output_line(result: LineResult | LineFailure, model: str, tokenizer: object) -> dict:
+def _output_line(result: LineResult | LineFailure, model: str, tokenizer: Tokenizer) -> dict[str, Any]:
     if isinstance(result, LineFailure):
         return failure_line(result)
     request = result.request
