@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.openai.guided_fields import guided_decoding_from
@@ -24,6 +24,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_REQUEST_ID_CHARS = 256
+# Tokens of one SSE chunk: past the longest output a chunk could hold anyway, only bounds the number.
+MAX_STREAMING_RESPONSE_TOKENS = 1 << 20
 _OFFLINE = {f.name: f.default for f in dataclasses.fields(SamplingParams)}  # the same defaults as LLM.generate
 
 
@@ -68,20 +71,51 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_json_object: bool | None = None
     structural_tag: str | dict[str, Any] | None = None
+    # FastDeploy's extras (docs/online_serving.md#fastdeploys-request-extras). request_id becomes the response's
+    # `id` only: the engine's own request ids stay its uuid4s, so a client cannot collide with another's.
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[!-~]+$")
+    logits_processors_args: dict[str, Any] | None = None  # only {"logit_bias": ...}: SamplingParams checks it
+    max_streaming_response_tokens: int | None = Field(None, ge=1, le=MAX_STREAMING_RESPONSE_TOKENS)
+    include_draft_logprobs: bool = False
+    mm_hashes: list[Any] | None = None
+
+    @field_validator("include_draft_logprobs")
+    @classmethod
+    def _no_draft(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("there are no draft tokens: this engine does no speculative decoding (only false is "
+                             "accepted)")
+        return value
+
+    @field_validator("mm_hashes")
+    @classmethod
+    def _no_hashes(cls, value: list[Any] | None) -> list[Any] | None:
+        # FastDeploy looks hashed media up in its processor cache (and may then skip them); this server keeps
+        # none and reads every medium itself under its media policy, so a hash could only be ignored.
+        if value:
+            raise ValueError("this server keeps no processor cache to look media hashes up in; send the media "
+                             "themselves (only null or [] is accepted)")
+        return value
 
     def sampling_params(self, logprobs: int | None, max_tokens: int | None, **extra: Any) -> SamplingParams:
         """The SamplingParams of this request (ValueError/TypeError naming the field when a value is out
         of range)."""
         shared = {name: getattr(self, name) for name in _SHARED}
-        bias = {"logit_bias": self.logit_bias} if self.logit_bias else None
+        args = dict(self.logits_processors_args) if self.logits_processors_args is not None else {}
+        if self.logit_bias:
+            if "logit_bias" in args:
+                raise ValueError("logits_processors_args holds a logit_bias and so does the request: give it in one "
+                                 "place")
+            args["logit_bias"] = self.logit_bias
         if "guided_decoding" not in extra:
             extra["guided_decoding"] = guided_decoding_from(self)
-        return SamplingParams(**shared, max_tokens=max_tokens, logprobs=logprobs, logits_processors_args=bias,
-                              **extra)
+        return SamplingParams(**shared, max_tokens=max_tokens, logprobs=logprobs,
+                              logits_processors_args=args or None, **extra)
 
 
 # SamplingParams fields taken as they are (max_tokens and logprobs are mapped per endpoint).
-_SHARED = [name for name in _OFFLINE if name in _SamplingFields.model_fields and name not in ("max_tokens", "logprobs")]
+_SHARED = [name for name in _OFFLINE if name in _SamplingFields.model_fields
+           and name not in ("max_tokens", "logprobs", "logits_processors_args")]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -94,6 +128,20 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_max_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI tool dicts, rendered by the chat template
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    # FastDeploy's: the prompt's ids, the messages then not rendered; or the one message's text as the prompt.
+    prompt_token_ids: list[int] | None = None
+    disable_chat_template: bool = False
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _no_metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # FastDeploy merges metadata's keys into the request (a deprecated path with its own precedence rules);
+        # rather than guess those, the keys are asked for at the top level.
+        if value:
+            raise ValueError(f"FastDeploy reads metadata's keys as request fields; send them as top-level fields "
+                             f"instead (only null or {{}} is accepted), got keys {sorted(value)[:8]}")
+        return value
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -104,7 +152,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[int], list[list[int]], None] = None  # required unless prompt_token_ids
+    prompt_token_ids: list[int] | list[list[int]] | None = None  # FastDeploy's: used instead of tokenizing
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False

@@ -14,9 +14,11 @@ from starlette.responses import JSONResponse, Response
 
 from fastdeploy.engine.sampling_params import GuidedDecodingParams, SamplingParams
 from fastdeploy.engine.submission import Submission
+from fastdeploy.entrypoints.openai.extras import (ChunkGroups, check_raw_chat, raw_chat_prompt, response_id,
+                                                  skips_template)
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, json_logprob, make_submissions, new_id, now,
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, json_logprob, make_submissions, now,
     request_outputs, sampling_params, sse, submit, top_entries, usage)
 from fastdeploy.input.chat_template import RequestTemplate
 from fastdeploy.outputs import Logprob, RequestOutput
@@ -40,8 +42,12 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: in
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, http: HTTPRequest) -> Response:
     ctx.check_model(body.model)
     ctx.limits.check(body)
-    if not body.messages:
-        raise APIError(400, "messages must be a non-empty list of {'role', 'content'} objects", "messages")
+    raw = skips_template(body)
+    if raw:
+        check_raw_chat(body)
+    elif not body.messages:
+        raise APIError(400, "messages must be a non-empty list of {'role', 'content'} objects (or give "
+                            "prompt_token_ids)", "messages")
     params = sampling_params(body.to_sampling_params)
     tools, parse_calls, params = _tools(ctx, body, params)
     # A call forced to a named function finishes with "stop" (as OpenAI); other calls with "tool_calls".
@@ -50,7 +56,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     start = time.time()
     try:
         # Off the event loop: media are fetched and decoded here.
-        prompt = await run_in_threadpool(ctx.prompts.from_chat, body.messages, template_kwargs, template, tools)
+        prompt = await run_in_threadpool(raw_chat_prompt, ctx, body) if raw else await run_in_threadpool(
+            ctx.prompts.from_chat, body.messages, template_kwargs, template, tools)
     except (ValueError, TypeError, NotImplementedError, jinja2.TemplateError) as e:
         # With a client's template, a rendering failure is most likely the template's.
         field = template_field or "messages"
@@ -58,7 +65,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     thinking = bool((body.chat_template_kwargs or {}).get("enable_thinking", True))
     submissions = await make_submissions(ctx, [prompt], params, start, thinking, tool_calls=parse_calls,
                                          cache_salt=body.cache_salt)
-    call_id, created = new_id("chatcmpl"), now()
+    call_id, created = response_id("chatcmpl", body.request_id), now()
     k = body.top_logprobs or 0
     queue = await submit(ctx, submissions, http, stream=True)  # deltas: a whole response joins them
     if body.stream:
@@ -158,11 +165,15 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, submissions:
                 delta["prompt_token_ids"] = submissions[0].prompt_token_ids
             yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
         called: set[int] = set()  # choices that made tool calls
+        groups = ChunkGroups(body.max_streaming_response_tokens)
         async for output in request_outputs(ctx, submissions, queue):
             choices[output.outputs.index].add(output)
             choice = _delta_choice(body, output, k, called, calls_finish)
             for part in _one_call_item_each(choice):
-                yield chunk([part])
+                if (ready := groups.add(part, output.finished)) is not None:
+                    yield chunk(ready)
+        if (ready := groups.rest()) is not None:
+            yield chunk(ready)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], usage=usage(ctx, submissions, choices))
     except APIError as e:  # the engine failed mid-stream: say so in the stream, then end it

@@ -14,25 +14,12 @@ from starlette.responses import JSONResponse, Response
 
 from fastdeploy.engine.submission import Submission
 from fastdeploy.entrypoints.multimodal import Prepared
+from fastdeploy.entrypoints.openai.extras import ChunkGroups, completion_prompts, response_id
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, make_submissions, new_id, now, request_outputs,
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, make_submissions, now, request_outputs,
     sampling_params, json_logprob, sse, submit, top_entries, usage)
 from fastdeploy.outputs import Logprob
-
-
-def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[Prepared]:
-    """(text, ids, no media) of each prompt: a str, a list of str, a list of token ids or a list of those."""
-    prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        prompt = [prompt]
-    if not prompt or any(len(p) == 0 for p in prompt):
-        raise APIError(400, "prompt must be a non-empty string, list of strings or list of token ids", "prompt")
-    if len(prompt) > ctx.limits.max_prompts:
-        raise APIError(400, f"prompt holds {len(prompt)} prompts, over this server's "
-                            f"--max-prompts={ctx.limits.max_prompts}", "prompt")
-    tokenizer = ctx.engine.tokenizer
-    return [(p, tokenizer.encode(p), None) if isinstance(p, str) else (None, list(p), None) for p in prompt]
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int,
@@ -56,9 +43,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, http: 
         raise APIError(400, "echo with logprobs is not supported (it needs the prompt's logprobs)", "echo")
     params = sampling_params(body.to_sampling_params)
     start = time.time()
-    prompts = await run_in_threadpool(_prompts, ctx, body)  # tokenization, off the event loop
+    prompts = await run_in_threadpool(completion_prompts, ctx, body)  # tokenization, off the event loop
     submissions = await make_submissions(ctx, prompts, params, start, cache_salt=body.cache_salt)
-    call_id, created = new_id("cmpl"), now()
+    call_id, created = response_id("cmpl", body.request_id), now()
     k = body.logprobs or 0
     if body.stream:  # best_of > n was refused: every request is a choice
         echoes = [_echo(ctx, body, prompt) for prompt, s in zip(prompts, submissions) for _ in range(len(s))]
@@ -104,6 +91,7 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, submissions: lis
 
     sent = [len(e) for e in echoes]  # characters of each choice's text sent so far (for text_offset)
     choices = [Choice() for _ in echoes]  # for the usage
+    groups = ChunkGroups(body.max_streaming_response_tokens)
     try:
         for i, echo in enumerate(echoes):
             if echo:
@@ -126,7 +114,10 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, submissions: lis
                 choice["stop_reason"] = out.stop_reason
             if body.return_token_ids:
                 choice["completion_token_ids"] = out.token_ids
-            yield chunk([choice])
+            if (ready := groups.add(choice, output.finished)) is not None:
+                yield chunk(ready)
+        if (ready := groups.rest()) is not None:
+            yield chunk(ready)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], usage=usage(ctx, submissions, choices))
     except APIError as e:
