@@ -10,6 +10,8 @@ import httpx
 import pytest
 
 from fastdeploy import LLM, SamplingParams
+from fastdeploy.entrypoints.openai.api_server import main
+from fastdeploy.entrypoints.openai.cli_args import check_fastdeploy_server_flags, make_parser
 
 from test_api_server import KEY, MAX_MODEL_LEN, TIMEOUT_S, Server
 
@@ -154,3 +156,18 @@ def test_extras_without_meaning_here_are_refused_naming_them(server, field, refu
         r = send(server, **{field: refused})
         assert r.status_code == 400 and r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
         assert send(server, **{field: neutral}).status_code == 200
+
+
+# ---------------------------------------------------------------------------------- launch flags
+
+
+def test_fastdeploy_server_flags_parse_and_are_refused_where_meaningless(capsys):
+    base = ["--model", "m"]
+    check_fastdeploy_server_flags(make_parser().parse_args(
+        [*base, "--workers", "1", "--controller-port", "-1", "--timeout", "0"]))
+    for flags in (["--workers", "4"], ["--controller-port", "8200"], ["--enable-mm-output"], ["--timeout", "30"]):
+        with pytest.raises(ValueError, match=f"^{flags[0]}"):
+            check_fastdeploy_server_flags(make_parser().parse_args([*base, *flags]))
+    with pytest.raises(SystemExit) as stopped:  # before the engine loads
+        main([*base, "--workers", "2"])
+    assert stopped.value.code == 2 and "--workers 2" in capsys.readouterr().err

@@ -32,7 +32,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.entrypoints.multimodal import prompts_for
-from fastdeploy.entrypoints.openai.cli_args import (MAX_REQUEST_BODY_BYTES, api_keys, engine_config, make_parser,
+from fastdeploy.entrypoints.openai.cli_args import (MAX_REQUEST_BODY_BYTES, api_keys,
+                                                    check_fastdeploy_server_flags, engine_config, make_parser,
                                                     media_policy, request_limits)
 from fastdeploy.entrypoints.openai.engine_loop import EngineLoop
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
@@ -229,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_fastdeploy_server_flags(args)
         keys = api_keys(args)
         config = engine_config(args)
         policy = media_policy(args)

@@ -155,6 +155,20 @@ def make_parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     media.add_argument("--max-video-fps", type=float, default=2.0,
                        help="largest fps a request's video may ask for (default: %(default)s)")
+    # FastDeploy's server flags for what it runs around its engine; their defaults describe this server.
+    server.add_argument("--workers", type=int, default=1,
+                        help="HTTP processes in front of the engine: only 1 here (one process serves every client "
+                             "and steps the engine); more stops the server at start-up (default: %(default)s)")
+    server.add_argument("--controller-port", type=int, default=-1,
+                        help="FastDeploy's scheduler-control API port; there is no such API here, so only -1 (off) "
+                             "is accepted (default: %(default)s)")
+    server.add_argument("--enable-mm-output", action="store_true",
+                        help="FastDeploy's multimodal_content in responses; no model here outputs media, so it "
+                             "is refused when given")
+    server.add_argument("--timeout", type=int, default=0,
+                        help="FastDeploy's gunicorn worker timeout (restart an HTTP worker silent this many "
+                             "seconds); there is no such worker here, so only 0 (off) is accepted "
+                             "(default: %(default)s)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = parser.add_argument_group("engine (the LLM(...) parameters)")
     for f in ENGINE_FIELDS:
@@ -200,6 +214,23 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
                        max_bytes=args.max_media_bytes, fetch_timeout=args.media_fetch_timeout,
                        max_image_pixels=args.max_image_pixels, limit_mm_per_prompt=SERVER_LIMIT_MM_PER_PROMPT,
                        max_video_frames=args.max_video_frames, max_video_fps=args.max_video_fps)
+
+
+def check_fastdeploy_server_flags(args: argparse.Namespace) -> None:
+    """FastDeploy's server flags at values this server cannot honour (ValueError naming the flag)."""
+    if args.workers != 1:
+        raise ValueError(f"--workers {args.workers}: this server runs one HTTP process, which also steps the engine "
+                         "(several processes cannot share it); only --workers 1 is accepted")
+    if args.controller_port != -1:
+        raise ValueError(f"--controller-port {args.controller_port}: this server has no scheduler-control API "
+                         "(FastDeploy's /controller/*); only -1 (off) is accepted")
+    if args.enable_mm_output:
+        raise ValueError("--enable-mm-output: no model served here outputs media, so responses never carry "
+                         "multimodal_content; leave the flag out")
+    if args.timeout != 0:
+        raise ValueError(f"--timeout {args.timeout}: FastDeploy's gunicorn worker timeout (restart a silent HTTP "
+                         "worker); this server has no such worker, so only 0 (off) is accepted. Bound how long a "
+                         "request may wait for a seat with --max-waiting-time")
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
