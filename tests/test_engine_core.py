@@ -113,6 +113,32 @@ def test_concurrent_generate_calls_share_the_engine(llm):
     assert results == expected
 
 
+def test_concurrent_streams_lose_no_delta(llm):
+    """Two threads stream from one engine: each thread's steps also make the other's deltas, so a chunk may be
+    due twice for one request between two looks; every delta still arrives, in order."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = llm.generate(PROMPTS, params, use_tqdm=False)
+    results: list = [None, None]
+
+    def run(slot: int, prompts: list) -> None:
+        texts, ids = [""] * len(prompts), [[] for _ in prompts]
+        for chunk in llm.generate(prompts, params, use_tqdm=False, stream=True):
+            for i, out in enumerate(chunk):
+                if out is not None:
+                    texts[i] += out.outputs.text
+                    ids[i] += out.outputs.token_ids
+        results[slot] = (texts, ids)
+
+    threads = [threading.Thread(target=run, args=(0, PROMPTS[:2])), threading.Thread(target=run, args=(1, PROMPTS[2:]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    texts = results[0][0] + results[1][0]
+    ids = results[0][1] + results[1][1]
+    assert texts == [o.outputs.text for o in expected] and ids == [o.outputs.token_ids for o in expected]
+
+
 def test_what_crosses_the_boundary_is_plain_data(llm):
     engine = llm.engine
     request = engine.make_request(None, PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=2,

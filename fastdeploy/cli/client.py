@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 import requests
 
-DEFAULT_URL = "http://127.0.0.1:8180/v1"
+DEFAULT_URL = "http://127.0.0.1:8000/v1"  # the server's default --host and --port
 # Seconds to connect, and between two streamed chunks (a long prefill on a busy CPU server can take a while).
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0

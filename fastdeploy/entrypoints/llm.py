@@ -119,9 +119,15 @@ class LLM:
     def _stream(self, groups: list[Submission], use_tqdm: bool) -> Iterator[list[RequestOutput | None]]:
         position = {request_id: i for i, request_id in enumerate(i for g in groups for i in g.request_ids)}
         for step_outputs in self._steps(groups, use_tqdm, stream=True):
+            # Another thread stepping the engine may have made two deltas of one request since the last
+            # chunk: each goes in a chunk of its own, in order, so none is lost.
             chunk: list[RequestOutput | None] = [None] * len(position)
             for output in step_outputs:
-                chunk[position[output.request_id]] = output
+                i = position[output.request_id]
+                if chunk[i] is not None:
+                    yield chunk
+                    chunk = [None] * len(position)
+                chunk[i] = output
             yield chunk
 
     def _steps(self, groups: list[Submission], use_tqdm: bool, stream: bool) -> Iterator[list[RequestOutput]]:
