@@ -158,6 +158,40 @@ def test_extras_without_meaning_here_are_refused_naming_them(server, field, refu
         assert send(server, **{field: neutral}).status_code == 200
 
 
+# ---------------------------------------------------------------------------------- endpoints
+
+
+def test_ping_and_config_info_tell_no_secrets(server, tiny_hf):
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{server.url}/ping", timeout=10).status_code == 200  # open, as /health
+    assert httpx.get(f"{server.url}/config-info", timeout=10).status_code == 401
+    r = httpx.get(f"{server.url}/config-info", headers=AUTH, timeout=10)
+    info = r.json()
+    assert info["model"] == "tiny" and info["engine"]["max_model_len"] == MAX_MODEL_LEN
+    assert KEY not in r.text and str(tiny_hf) not in r.text and "ernie45_tiny_hf" not in r.text
+    assert "seed" not in info["engine"] and "chat_template" not in info["engine"]
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(server, llm):
+    tokenizer = llm.engine.tokenizer
+    r = post(server, "/tokenize", {"model": "tiny", "prompt": TEXT, "return_token_strs": True}).json()
+    assert r["tokens"] == tokenizer.encode(TEXT) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN and len(r["token_strs"]) == r["count"]
+    messages = [{"role": "user", "content": "hi"}]
+    tokens = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    answered = chat(server, messages=messages, max_tokens=1, return_token_ids=True).json()
+    assert tokens == answered["choices"][0]["message"]["prompt_token_ids"]  # as the chat endpoint renders it
+    assert post(server, "/detokenize", {"tokens": IDS}).json() == {"prompt": tokenizer.decode(IDS, False)}
+    for body, param in (({"tokens": [1, -1]}, "tokens"), ({"tokens": [10**30]}, "tokens"),
+                        ({"prompt": "a", "messages": messages}, "prompt"), ({"prompt": "a", "x": 1}, "x")):
+        path = "/detokenize" if "tokens" in body else "/tokenize"
+        r = post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, body
+    assert post(server, "/tokenize", {"prompt": "a", "model": "other"}).status_code == 404
+    assert post(server, "/tokenize", {"prompt": "a"}, auth=False).status_code == 401
+    assert post(server, "/detokenize", {"tokens": [1]}, auth=False).status_code == 401
+
+
 # ---------------------------------------------------------------------------------- launch flags
 
 

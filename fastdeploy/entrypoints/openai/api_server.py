@@ -2,7 +2,8 @@
 
     python -m fastdeploy.entrypoints.openai.api_server --model PATH --port 8180 [--metrics-port 8181]
 
-POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics. Every client's
+POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics, and FastDeploy's and
+vLLM's GET|POST /ping, GET /config-info, POST /tokenize, POST /detokenize (serving_tokens.py). Every client's
 requests join the same continuous batch, stepped by the engine loop on the main thread (engine_loop.py);
 uvicorn serves HTTP from a second thread. On SIGTERM/SIGINT the server answers 503 to new calls, lets
 running ones finish for --timeout-graceful-shutdown seconds, aborts the rest, stops the
@@ -41,6 +42,7 @@ from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from fastdeploy.entrypoints.openai.serving import APIError, EventStream, ServingContext
 from fastdeploy.entrypoints.openai.serving_chat import create_chat_completion
 from fastdeploy.entrypoints.openai.serving_completion import create_completion
+from fastdeploy.entrypoints.openai.serving_tokens import add_routes
 
 logger = logging.getLogger("fastdeploy.api_server")
 
@@ -50,6 +52,12 @@ def error_response(status: int, message: str, param: str | None = None,
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+# Behind the API key besides /v1: the routes that do work for a client or describe the configuration (vLLM and
+# FastDeploy leave them open; a key-holder's tools send the key anyway). /health, /ping and /metrics stay open
+# for probes and scrapers.
+KEYED_PATHS = ("/tokenize", "/detokenize", "/config-info")
+
+
 def _is_json(headers: dict[bytes, bytes]) -> bool:
     media_type = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
     return media_type == b"application/json"
@@ -57,7 +65,7 @@ def _is_json(headers: dict[bytes, bytes]) -> bool:
 
 class Gatekeeper:
     """ASGI middleware (pure, so streaming and client disconnects pass straight through): 503 while
-    shutting down, 401 on /v1 without one of the API keys, 415 for a POST body that is not declared JSON
+    shutting down, 401 on /v1 and KEYED_PATHS without one of the API keys, 415 for a POST body that is not declared JSON
     (a web page can send a form or text/plain body cross-site without a CORS preflight, never JSON), 413 for a
     POST body over max_body_bytes: from its Content-Length before reading, or once a chunked body passes it."""
 
@@ -73,10 +81,11 @@ class Gatekeeper:
             headers = dict(scope["headers"])
             if self.draining:
                 refusal = error_response(503, "the server is shutting down")
-            elif self.api_keys and scope["path"].startswith("/v1") and not any(
+            elif self.api_keys and (scope["path"].startswith("/v1") or scope["path"] in KEYED_PATHS) and not any(
                     hmac.compare_digest(headers.get(b"authorization", b""), key) for key in self.api_keys):
                 refusal = error_response(401, "missing or wrong API key: send `Authorization: Bearer KEY`")
-            elif scope["method"] == "POST" and not _is_json(headers):
+            elif scope["method"] == "POST" and not _is_json(headers) and scope["path"] != "/ping":
+                # (a probe's POST /ping carries no body, and /ping does nothing a page could abuse)
                 refusal = error_response(415, "the body must be JSON sent with `Content-Type: application/json`")
             elif scope["method"] == "POST" and _declared_length(headers) > self.max_body_bytes:
                 refusal = self._too_large()
@@ -197,11 +206,16 @@ def build_app(ctx: ServingContext, api_keys: Sequence[str] | None = None,
             "id": ctx.model_name, "object": "model", "created": created, "owned_by": "fastdeploy",
             "root": ctx.model_name, "max_model_len": ctx.engine.config.max_model_len}]}
 
-    @app.get("/health")
-    async def health() -> Response:
+    def healthy() -> Response:
         if ctx.loop.failed:
             return error_response(503, ctx.loop.failed)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return healthy()
+
+    add_routes(app, ctx, healthy, max_body_bytes)
 
     if registry is not None:
         @app.get("/metrics")
