@@ -111,7 +111,7 @@ class EngineConfig:
     guided_decoding_backend: str = param(
         "auto", "grammar engine for guided_decoding / response_format: auto or llguidance (guidance); off refuses them")
     guided_decoding_disable_any_whitespace: bool = param(
-        False, "guided JSON output without optional whitespace between its tokens")
+        True, "guided JSON output without optional whitespace between its tokens (FastDeploy's engine default)")
     quantization: str | dict[str, Any] | None = param(
         None, 'weight-only quantization while loading: wint8 or wint4; or JSON like {"quantization": "mix_quant", '
               '"dense_quant_type": "wint8", "moe_quant_type": "wint4", "kv_cache_quant_type": "block_wise_fp8"}',

@@ -57,6 +57,8 @@ FASTDEPLOY_DEFAULTS = {
 DIFFERENT_DEFAULTS = {
     "guided_decoding_backend": "auto",  # guided decoding works without opting in (FastDeploy: "off" refuses it)
     "engine_worker_queue_port": 8002,  # FastDeploy 2.0's default; None (newer FastDeploy's) is accepted too
+    # FastDeploy's EngineArgs says False but its engine applies ParallelConfig.disable_any_whitespace = True.
+    "guided_decoding_disable_any_whitespace": True,
 }
 OURS = {f.name: f.default for f in dataclasses.fields(EngineArgs) if f.name != "model"}
 
