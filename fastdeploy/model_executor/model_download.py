@@ -66,6 +66,16 @@ def endpoint() -> str:
     return HUB_ENDPOINT or HfApi().endpoint
 
 
+# Packages whose exceptions mean the request never got an answer (refused, DNS, timeout, dropped). Named
+# rather than imported: huggingface_hub 1.x uses httpx, 2.x its fork httpx2.
+_HTTP_CLIENT_PACKAGES = ("httpx", "httpx2", "httpcore", "h11", "ssl", "socket")
+
+
+def _from_http_client(error: Exception) -> bool:
+    return isinstance(error, OSError) or any(
+        cls.__module__.split(".")[0] in _HTTP_CLIENT_PACKAGES for cls in type(error).__mro__)
+
+
 def _find_on_hub(names: Sequence[str], revision: str) -> str:
     """The first of `names` (spellings of one repo id) that exists on the hub at `revision`."""
     api = HfApi(endpoint=HUB_ENDPOINT)
@@ -82,7 +92,9 @@ def _find_on_hub(names: Sequence[str], revision: str) -> str:
                              "(a branch, tag or commit hash)") from e
         except (HfHubHTTPError, OfflineModeIsEnabled) as e:
             raise HubUnreachableError(f"{endpoint()} answered {type(e).__name__}: {e}") from e
-        except Exception as e:  # the HTTP client's transport errors (refused, DNS, timeout); their class varies
+        except Exception as e:
+            if not _from_http_client(e):
+                raise
             raise HubUnreachableError(f"{endpoint()} is not reachable ({type(e).__name__}: {e})") from e
         logger.info("model %s: found on %s at revision %s (commit %s)", name, endpoint(), revision, info.sha)
         return name
