@@ -79,8 +79,8 @@ class EngineConfig:
     """Every LLM(...) parameter (and every server engine flag: the CLI is generated from these fields and
     their `help`), validated once."""
 
-    model: str = param(REQUIRED, "checkpoint directory (config.json, safetensors, tokenizer files), or a repo id "
-                                 "already downloaded to the Hugging Face cache or FastDeploy's download directory")
+    model: str = param(REQUIRED, "checkpoint directory (config.json, safetensors, tokenizer files), or a repo id: "
+                                 "found in FastDeploy's download directory or the Hugging Face cache, else downloaded")
     revision: str | None = param(
         DEFAULT_REVISION, "branch, tag or commit hash of a repo-id model in the hub cache (master: the default)")
     tokenizer: str | None = param(None, "tokenizer directory (default: the model's)")
@@ -149,8 +149,8 @@ class EngineConfig:
             raise TypeError(f"revision must be a branch, tag or commit hash string, got {type(self.revision).__name__}")
         self.model = resolve_model(os.fspath(self.model), self.revision)
         if not os.path.isdir(self.model):
-            raise ValueError(f"model must be a checkpoint directory or a downloaded repo id; {self.model!r} is "
-                             "neither (no downloads happen here)")
+            raise ValueError(f"model must be a checkpoint directory or a repo id; {self.model!r} is not a "
+                             "directory")
         self.tokenizer = os.fspath(self.tokenizer) if self.tokenizer is not None else self.model
         if not os.path.isdir(self.tokenizer):
             raise ValueError(f"tokenizer must be a directory of tokenizer files, got {self.tokenizer!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -13,6 +14,7 @@ import pytest
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.model_executor import model_download
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,6 +147,12 @@ HASH_MAIN = "a" * 40
 HASH_DEV = "b" * 40
 
 
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
 def caches(tmp_path, monkeypatch, tiny_hf):
     """A Hugging Face hub cache with the tiny model under `main` and a `dev` branch, and an empty home."""
@@ -158,6 +166,8 @@ def caches(tmp_path, monkeypatch, tiny_hf):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("FD_MODEL_CACHE", raising=False)
+    # A hub on a port nothing listens on: a model missing from the caches is "offline", never fetched.
+    monkeypatch.setattr(model_download, "HUB_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
     return hub, home, repo
 
 
