@@ -17,7 +17,8 @@ from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.sampling.sampler import Sampler, param_table
 from fastdeploy.step_types import ForwardBatch, SamplingBatch
-from fastdeploy.worker.compiled_step import CompiledDecoder, unsupported_reason
+from fastdeploy.model_executor.models.compiled_description import unsupported_reason
+from fastdeploy.worker.compiled_step import CompiledDecoder
 from fastdeploy.worker.model_runner import run_step
 
 MODELS = Path(__file__).parent / "fixtures" / "models"

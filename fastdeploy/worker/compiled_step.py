@@ -1,9 +1,12 @@
 """The whole forward step of a decoder model in one compiled call (custom_ops/decoder_step.cc).
 
-`CompiledDecoder.build(model, ...)` describes a loaded `CausalLM` (ERNIE-4.5 dense or MoE, Qwen2, Qwen3)
-to the library once: pointers to its packed weights, norms, biases and KV cache layers, and a table of
-rotary cos/sin rows. ERNIE-4.5-VL runs its text-only steps (decode, text chunks) here with the text
-experts; steps with vision rows take the layer path. Each `forward` then runs embedding, every layer, the final norm and the LM head
+`CompiledDecoder.build(model, ...)` hands a loaded `CausalLM` (ERNIE-4.5 dense or MoE, Qwen2, Qwen3) to the
+library once. What the model's tensors are (each layer's packed weights, norms, biases, router and
+experts, which layers are dense, the rotary cos/sin table) is the model side's description
+(model_executor/models/compiled_description.py); this module only mirrors decoder_step.cc's structures,
+fills them from that description and the KV cache layers, and calls the library. ERNIE-4.5-VL runs its
+text-only steps (decode, text chunks) here with the text experts; steps with vision rows take the layer
+path. Each `forward` then runs embedding, every layer, the final norm and the LM head
 without returning to Python. The kernels and their order are the layer-by-layer path's, so the logits
 and the KV cache are the same bits; what goes away is ~10 Paddle op dispatches per layer and the
 Python around them, which at one stream took longer than streaming the weights. The Paddle path
@@ -25,9 +28,7 @@ from paddle import nn
 from fastdeploy import ops
 from fastdeploy.ops.build import OpsLibrary
 from fastdeploy.ops.kv_cache import FP8_SCALE_BYTES, cache_kind
-from fastdeploy.model_executor.layers.linear import GatedMLP
-from fastdeploy.model_executor.layers.moe import SparseMoE
-from fastdeploy.model_executor.layers.moe_multimodal import MultimodalMoE
+from fastdeploy.model_executor.models.compiled_description import CompiledLayer, describe, unsupported_reason
 from fastdeploy.ops.quant import FORMATS, PackedWeight
 from fastdeploy.step_types import ForwardBatch, block_table_array
 
@@ -84,63 +85,33 @@ def _weight(pw: PackedWeight | None) -> _Weight:
                    int(np.prod(pw.scales.shape)) // experts if quantized else 0, pw.k, pw.n, FORMATS[pw.fmt])
 
 
-def unsupported_reason(model: nn.Layer) -> str | None:
-    """Why `model` must run layer by layer (None: the compiled step covers it)."""
-    decoder = getattr(model, "model", None)
-    if not hasattr(decoder, "layers") or not hasattr(model, "lm_head"):
-        return f"{type(model).__name__} is not a decoder CausalLM"
-    if model.lm_head.tp.size != 1:
-        return "tensor parallel"
-    for layer in decoder.layers:
-        mlp = layer.mlp
-        if isinstance(mlp, (SparseMoE, MultimodalMoE)):
-            shared = mlp.shared_experts
-            if shared is not None and (shared.up_gate_proj.bias is not None or shared.down_proj.bias is not None):
-                return "shared experts with biases"
-        elif not isinstance(mlp, GatedMLP):
-            return f"MLP {type(mlp).__name__}"
-    return None
-
-
-def _layer(layer: nn.Layer, kv_cache: paddle.Tensor) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
-    out = _Layer(input_norm=_address(layer.input_layernorm.weight), post_norm=_address(layer.post_attention_layernorm.weight),
-                 qkv=_weight(attn.qkv_proj.packed), qkv_bias=_address(attn.qkv_proj.bias), o=_weight(attn.o_proj.packed),
-                 o_bias=_address(attn.o_proj.bias), kv_cache=kv_cache.data_ptr())
-    if attn.q_norm is not None:
-        out.q_norm, out.k_norm = _address(attn.q_norm.weight), _address(attn.k_norm.weight)
-    if isinstance(mlp, GatedMLP):
-        out.up_gate, out.up_gate_bias = _weight(mlp.up_gate_proj.packed), _address(mlp.up_gate_proj.bias)
-        out.down, out.down_bias = _weight(mlp.down_proj.packed), _address(mlp.down_proj.bias)
+def _layer(layer: CompiledLayer, kv_cache: paddle.Tensor) -> _Layer:
+    out = _Layer(input_norm=_address(layer.input_norm), post_norm=_address(layer.post_norm), qkv=_weight(layer.qkv),
+                 qkv_bias=_address(layer.qkv_bias), o=_weight(layer.o), o_bias=_address(layer.o_bias),
+                 q_norm=_address(layer.q_norm), k_norm=_address(layer.k_norm), kv_cache=kv_cache.data_ptr())
+    moe = layer.moe
+    if moe is None:
+        out.up_gate, out.up_gate_bias = _weight(layer.up_gate), _address(layer.up_gate_bias)
+        out.down, out.down_bias = _weight(layer.down), _address(layer.down_bias)
         return out
-    # ERNIE-4.5-VL: the text experts, their router and correction-bias row 0 (the start of the [2, E] tensor).
-    multimodal = isinstance(mlp, MultimodalMoE)
-    router, experts = (mlp.gate.text.value, mlp.experts.text) if multimodal else (mlp.gate.packed, mlp.experts)
-    out.router, out.correction_bias = _weight(router), _address(mlp.moe_statics.e_score_correction_bias)
-    out.experts_up_gate, out.experts_down = _weight(experts.up_gate.value), _weight(experts.down.value)
-    if mlp.shared_experts is not None:
-        out.shared_up_gate = _weight(mlp.shared_experts.up_gate_proj.packed)
-        out.shared_down = _weight(mlp.shared_experts.down_proj.packed)
-    num_experts = mlp.num_experts[0] if multimodal else mlp.num_experts
-    out.num_experts, out.expert_start, out.local_experts = num_experts, experts.start, experts.count
-    out.top_k, out.norm_min, out.renormalize = mlp.top_k, mlp.norm_min or 0.0, mlp.norm_min is not None
+    out.router, out.correction_bias = _weight(moe.router), _address(moe.correction_bias)
+    out.experts_up_gate, out.experts_down = _weight(moe.experts_up_gate), _weight(moe.experts_down)
+    out.shared_up_gate, out.shared_down = _weight(moe.shared_up_gate), _weight(moe.shared_down)
+    out.num_experts, out.expert_start, out.local_experts = moe.num_experts, moe.expert_start, moe.local_experts
+    out.top_k, out.norm_min, out.renormalize = moe.top_k, moe.norm_min or 0.0, moe.norm_min is not None
     return out
 
 
-def _check_caches(kv_caches: Sequence[paddle.Tensor], layers: int, attn: nn.Layer, block_size: int) -> None:
+def _check_caches(kv_caches: Sequence[paddle.Tensor], layers: int, kv_heads: int, head_dim: int,
+                  block_size: int) -> None:
     """The library reads a layer's cache as [2, blocks, KVH, block_size, row] of the first cache's kind and block
     count (the step's contract); anything else is refused here, before the library points into it."""
     first = kv_caches[0] if kv_caches else None
-    row = attn.head_dim + (FP8_SCALE_BYTES if first is not None and first.dtype == paddle.uint8 else 0)
-    expected = [2, int(first.shape[1]) if first is not None else 0, attn.num_kv_heads, block_size, row]
+    row = head_dim + (FP8_SCALE_BYTES if first is not None and first.dtype == paddle.uint8 else 0)
+    expected = [2, int(first.shape[1]) if first is not None else 0, kv_heads, block_size, row]
     if len(kv_caches) != layers or any(list(c.shape) != expected or c.dtype != first.dtype for c in kv_caches):
         raise ValueError(f"the compiled step needs {layers} KV caches of shape {expected} and one dtype, got "
                          f"{[(list(c.shape), str(c.dtype)) for c in kv_caches][:2]}...")
-
-
-def _ffn_width(layer: nn.Layer) -> int:
-    mlp = layer.mlp
-    return mlp.down_proj.packed.k if isinstance(mlp, GatedMLP) else 0
 
 
 class CompiledDecoder:
@@ -148,24 +119,21 @@ class CompiledDecoder:
 
     def __init__(self, lib: OpsLibrary, model: nn.Layer, kv_caches: Sequence[paddle.Tensor],
                  block_size: int, max_positions: int) -> None:
-        cfg, decoder = model.config, model.model
-        _check_caches(kv_caches, len(decoder.layers), decoder.layers[0].self_attn, block_size)
-        self._keep: list[Any] = [model, list(kv_caches)]
-        cos, sin = ops.rotary_cos_sin(paddle.arange(max_positions, dtype="int64"), cfg.head_dim, decoder.rotary.base)
-        self._keep += [cos, sin]
-        layers = [_layer(layer, cache) for layer, cache in zip(decoder.layers, kv_caches)]
+        described = describe(model, max_positions)
+        _check_caches(kv_caches, len(described.layers), described.kv_heads, described.head_dim, block_size)
+        self._keep: list[Any] = [model, list(kv_caches), described]  # described holds the rotary tables
+        layers = [_layer(layer, cache) for layer, cache in zip(described.layers, kv_caches)]
         self._layers = (_Layer * len(layers))(*layers)
-        attn = decoder.layers[0].self_attn
         self._model = _Model(
-            layers=self._layers, num_layers=len(layers), hidden=cfg.hidden_size, heads=attn.num_heads,
-            kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, max_ffn=max(_ffn_width(l) for l in decoder.layers),
-            max_top_k=max((l.mlp.top_k for l in decoder.layers if not isinstance(l.mlp, GatedMLP)), default=0),
-            cache_slots=int(kv_caches[0].shape[1]) * block_size, block_size=block_size, eps=decoder.norm.eps,
-            attn_scale=attn.attn.scale, interleaved=decoder.rotary.interleaved,
-            embedding=_weight(decoder.embed_tokens.weight.value), lm_head=_weight(model.lm_head.packed),
-            final_norm=_address(decoder.norm.weight), cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
-            max_positions=max_positions, cache_kind=cache_kind(kv_caches[0]))
-        self.vocab = model.lm_head.packed.n
+            layers=self._layers, num_layers=len(layers), hidden=described.hidden, heads=described.heads,
+            kv_heads=described.kv_heads, head_dim=described.head_dim, max_ffn=described.max_ffn,
+            max_top_k=described.max_top_k, cache_slots=int(kv_caches[0].shape[1]) * block_size,
+            block_size=block_size, eps=described.eps, attn_scale=described.attn_scale,
+            interleaved=described.interleaved, embedding=_weight(described.embedding),
+            lm_head=_weight(described.lm_head), final_norm=_address(described.final_norm),
+            cos_table=described.cos.data_ptr(), sin_table=described.sin.data_ptr(),
+            max_positions=described.max_positions, cache_kind=cache_kind(kv_caches[0]))
+        self.vocab = described.vocab
         # forward_tokens' outputs: the logits (unread) and the tokens, as a view, and their addresses.
         self._scratch_logits = np.empty((0, self.vocab), dtype=np.float32)
         self._argmax = memoryview(b"")
