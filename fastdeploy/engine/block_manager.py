@@ -53,6 +53,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table that carry their hash
+        self.num_cached_free = 0  # free blocks that still hold a cached prefix (reusable until evicted)
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,11 +113,11 @@ class BlockManager:
         for _ in range(max(num_new_blocks, 0)):
             block_id = next(iter(self.free))
             block = self.blocks[block_id]
+            self._take(block_id)
             if block.block_hash is not None:  # evict its cached contents
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
                 block.block_hash = None
-            self._take(block_id)
             table.append(block_id)
         return True
 
@@ -124,6 +125,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.free[block_id]
+            self.num_cached_free -= block.block_hash is not None
         block.ref_count += 1
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -151,4 +153,6 @@ class BlockManager:
                 self.free[block_id] = None
                 if block.block_hash is None:
                     self.free.move_to_end(block_id, last=False)  # no contents worth keeping
+                else:
+                    self.num_cached_free += 1
         self._num_hashed.pop(request_id, None)

@@ -61,6 +61,7 @@ class LLMEngine:
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._routes: dict[str, Route] = {}  # submitted requests by id: where their outputs go
+        self._batch_size = 0  # requests in the last step
         self._step_lock = threading.Lock()
         if config.use_warmup:
             self.runner.warmup()
@@ -139,9 +140,11 @@ class LLMEngine:
         return self.output_processor.tool_parser is not None
 
     def stats(self) -> EngineStats:
-        blocks = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           1.0 - blocks.num_free_blocks / max(len(blocks.blocks), 1), self.scheduler.num_preemptions)
+        blocks, scheduler = self.block_manager, self.scheduler
+        total = len(blocks.blocks)
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), 1.0 - blocks.num_free_blocks / max(total, 1),
+                           scheduler.num_preemptions, total, blocks.num_free_blocks, blocks.num_cached_free,
+                           self._batch_size, self.config.max_num_seqs)
 
     # ---- requests -------------------------------------------------------------------------
     def make_request(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, index: int,
@@ -270,6 +273,7 @@ class LLMEngine:
         """The step; the requests that got a new token in it or were aborted before it."""
         aborted = self._take_inbox()
         step = self.scheduler.schedule()
+        self._batch_size = len(step.requests)
         if not step.requests:
             if aborted or not self.scheduler.has_unfinished():
                 return aborted

@@ -21,6 +21,11 @@ class EngineStats:
     num_waiting: int
     kv_cache_usage: float  # share of the KV blocks in use (1 = all)
     num_preemptions: int  # since the engine started
+    num_blocks: int  # the KV pool
+    num_free_blocks: int  # not held by a request (some still hold a cached prefix)
+    num_cached_free_blocks: int  # free ones holding a cached prefix, reusable until evicted
+    batch_size: int  # requests in the last step
+    max_num_seqs: int
 
 
 class Submission:
@@ -44,6 +49,11 @@ class Submission:
     def num_returned(self) -> int:
         """How many of its outputs a caller returns: n (of best_of candidates, the n best)."""
         return self.requests[0].params.n
+
+    @property
+    def max_tokens(self) -> int:
+        """The output tokens each of its requests may make (max_tokens, cut to what fits after the prompt)."""
+        return self.requests[0].max_tokens
 
     @property
     def error(self) -> tuple[int, str] | None:

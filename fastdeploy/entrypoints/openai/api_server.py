@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     faulthandler.enable()
     engine = LLMEngine(config)
     registry = CollectorRegistry()
-    loop = EngineLoop(engine, ServerMetrics(registry))
+    loop = EngineLoop(engine, ServerMetrics(registry, config))
     name = config.served_model_name or served_name(args.model)
     ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer, policy), name,
                          args.max_concurrency, args.max_waiting_time if args.max_waiting_time >= 0 else None,

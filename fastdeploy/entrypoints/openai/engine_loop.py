@@ -59,6 +59,8 @@ class EngineLoop:
         candidates best first), each request's last one with finished=True. None is rejected: the caller
         answers those with the error itself."""
         queue: asyncio.Queue = asyncio.Queue()
+        if self.metrics is not None:
+            self.metrics.on_submit(list(submissions))
         self.engine.submit(list(submissions), functools.partial(self._sink, asyncio.get_running_loop(), queue), stream)
         self._wake.set()
         return queue
