@@ -13,6 +13,7 @@ from fastdeploy.model_executor.quantization import QuantConfig, parse_quantizati
 from fastdeploy.not_implemented_args import refuse_not_implemented
 from fastdeploy.reasoning.parsers import known_parsers
 from fastdeploy.tool_parsers.parsers import known_tool_parsers
+from fastdeploy.tool_parsers.plugins import load_tool_parser_plugin
 
 # dtype spellings (vLLM's and PyTorch's) -> the precision of unquantized weights (layers/packed.py Precision)
 DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
@@ -107,7 +108,11 @@ class EngineConfig:
     reasoning_parser: str | None = param(
         None, "split thinking output into reasoning_content: ernie-x1, ernie-45-vl, qwen3")
     tool_call_parser: str | None = param(
-        None, "turn <tool_call> output of chats given tools into tool_calls: ernie-x1, hermes")
+        None, "turn <tool_call> output of chats given tools into tool_calls: ernie-x1, ernie-45-vl-thinking, hermes, "
+              "or one a tool_parser_plugin registers")
+    tool_parser_plugin: str | None = param(
+        None, "a Python file registering ToolParser subclasses (fastdeploy.tool_parsers.register_tool_parser), "
+              "loaded at start-up")
     guided_decoding_backend: str = param(
         "auto", "grammar engine for guided_decoding / response_format: auto or llguidance (guidance); off refuses them")
     guided_decoding_disable_any_whitespace: bool = param(
@@ -183,6 +188,10 @@ class EngineConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in known_parsers():
             raise ValueError(f"reasoning_parser must be one of {list(known_parsers())} or None, "
                              f"got {self.reasoning_parser!r}")
+        if self.tool_parser_plugin is not None:
+            if not isinstance(self.tool_parser_plugin, (str, os.PathLike)):
+                raise TypeError(f"tool_parser_plugin must be a path, got {type(self.tool_parser_plugin).__name__}")
+            load_tool_parser_plugin(os.fspath(self.tool_parser_plugin))
         if self.tool_call_parser is not None and self.tool_call_parser not in known_tool_parsers():
             raise ValueError(f"tool_call_parser must be one of {known_tool_parsers()} or None, "
                              f"got {self.tool_call_parser!r}")

@@ -14,7 +14,7 @@ NOT_IMPLEMENTED: dict[str, Any] = {
     # model / runner selection
     "port": None, "metrics_port": None, "model_config_name": "config.json", "tokenizer_base_url": None,
     "task": "generate", "runner": "auto", "convert": "auto", "model_impl": "auto", "override_pooler_config": None,
-    "tool_parser_plugin": None, "logits_processors": None, "dynamic_load_weight": False, "load_strategy": "normal",
+    "logits_processors": None, "dynamic_load_weight": False, "load_strategy": "normal",
     "rsync_config": None, "speculative_config": None, "graph_optimization_config": None,
     "plas_attention_config": None, "enable_early_stop": False, "early_stop_config": None,
     "enable_keep_sampling_mask": False, "enable_entropy": False,

@@ -82,7 +82,6 @@ PARAMETERS_MD = [
     ("revision", ["--revision", "main"], HONOURED, "main"),
     ("chat_template", ["--chat-template", "{{ messages[0]['content'] }}"], HONOURED, "{{ messages[0]['content'] }}"),
     ("tool_call_parser", ["--tool-call-parser", "hermes"], HONOURED, "hermes"),
-    ("tool_parser_plugin", ["--tool-parser-plugin", "my_parsers.py"], REFUSED, []),
     ("lm_head_fp32", ["--lm-head-fp32"], HONOURED, True),
 ]
 

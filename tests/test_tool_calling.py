@@ -128,15 +128,77 @@ def test_an_unclosed_last_call_counts_only_for_hermes():
         assert get_tool_parser(name).split(cut, final=True) == ToolCallSplit(cut, [])
 
 
+KNOWN = r"\['ernie-45-vl-thinking', 'ernie-x1', 'ernie_45-vl-thinking', 'hermes'\]"
+
+
 def test_unknown_parser_names_the_allowed_ones(tmp_path):
-    with pytest.raises(ValueError, match=r"tool_call_parser must be one of \['ernie-x1', 'hermes'\]"):
+    with pytest.raises(ValueError, match=r"tool_call_parser must be one of " + KNOWN):
         get_tool_parser("qwen")
-    with pytest.raises(ValueError, match=r"tool_call_parser must be one of \['ernie-x1', 'hermes'\] or None"):
+    with pytest.raises(ValueError, match=r"tool_call_parser must be one of " + KNOWN + " or None"):
         LLM(model=str(QWEN3), tool_call_parser="mistral")
 
 
-@pytest.mark.parametrize("name", ["hermes", "ernie-x1"])
-@pytest.mark.parametrize("text", [QWEN_TWO_CALLS, QWEN_BAD_THEN_GOOD, "no calls <tool_ at all <tool_call"])
+VL_CALLS = '\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
+           '<tool_call>\n{"name": "search", "arguments": {"query": "q"}}'
+
+
+@pytest.mark.parametrize("name", ["ernie-45-vl-thinking", "ernie_45-vl-thinking"])
+def test_ernie_45_vl_thinking_calls_or_an_answer(name):
+    """FastDeploy's ernie-45-vl-thinking: the content after the thinking part is calls only (the last may be left
+    open) or an answer; text beside the calls, or a block that is no call, makes all of it the answer."""
+    parser = get_tool_parser(name)
+    assert parser.split(VL_CALLS, final=True) == ToolCallSplit(
+        "", [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("search", '{"query": "q"}')])
+    for answer in ["The weather is fine.", "Let me call: " + VL_CALLS, VL_CALLS + "\n</tool_call>\nand more",
+                   "<tool_call>\n{\"name\": \"f\", \"arguments\": [1]}\n</tool_call>"]:
+        assert parser.split(answer, final=True) == ToolCallSplit(answer, []), answer
+    assert parser.split("\n<tool_", final=False) == ToolCallSplit("", [])  # not yet known
+    assert parser.split("Hello", final=False) == ToolCallSplit("Hello", [])
+
+
+@pytest.fixture
+def restored_parsers():
+    """The parser registry as it was after the test (a plugin registers into the process-wide one)."""
+    from fastdeploy.tool_parsers import parsers, plugins
+
+    saved, loaded = dict(parsers.PARSERS), dict(plugins._loaded)
+    yield
+    parsers.PARSERS.clear()
+    parsers.PARSERS.update(saved)
+    plugins._loaded.clear()
+    plugins._loaded.update(loaded)
+
+
+def test_tool_parser_plugin_registers_a_parser_by_name(tmp_path, restored_parsers):
+    plugin = tmp_path / "my_parsers.py"
+    plugin.write_text(
+        "from fastdeploy.tool_parsers import ToolParser, register_tool_parser\n"
+        "@register_tool_parser\n"
+        "class Bracketed(ToolParser):\n"
+        "    name = 'bracketed'\n"
+        "    START, END = '[[', ']]'\n")
+    llm = LLM(model=str(QWEN3), max_model_len=64, tool_parser_plugin=str(plugin), tool_call_parser="bracketed")
+    parser = llm.engine.output_processor.tool_parser
+    assert parser.split('a [[{"name": "f", "arguments": {"x": 1}}]] b', final=True) == \
+        ToolCallSplit("a b", [ParsedCall("f", '{"x": 1}')])
+    fastdeploy_style = tmp_path / "fd_style.py"
+    fastdeploy_style.write_text("from fastdeploy.entrypoints.openai.tool_parsers import ToolParserManager\n")
+    with pytest.raises(ValueError, match="tool_parser_plugin.*ToolParserManager interface is not provided"):
+        LLM(model=str(QWEN3), tool_parser_plugin=str(fastdeploy_style))
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="tool_parser_plugin.*registered no parser"):
+        LLM(model=str(QWEN3), tool_parser_plugin=str(empty))
+    with pytest.raises(ValueError, match="tool_parser_plugin must be a .py file"):
+        LLM(model=str(QWEN3), tool_parser_plugin=str(tmp_path / "missing.py"))
+    from fastdeploy.entrypoints.openai.cli_args import engine_config, make_parser  # the server's flag
+    args = make_parser().parse_args(["--model", str(QWEN3), "--tool-parser-plugin", str(plugin),
+                                     "--tool-call-parser", "bracketed"])
+    assert engine_config(args).tool_call_parser == "bracketed"
+
+
+@pytest.mark.parametrize("name", ["hermes", "ernie-x1", "ernie-45-vl-thinking"])
+@pytest.mark.parametrize("text", [QWEN_TWO_CALLS, QWEN_BAD_THEN_GOOD, "no calls <tool_ at all <tool_call", VL_CALLS])
 def test_every_prefix_split_is_a_prefix_of_the_final_split(name, text):
     parser = get_tool_parser(name)
     final = parser.split(text, final=True)

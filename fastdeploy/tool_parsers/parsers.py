@@ -117,11 +117,45 @@ class HermesToolParser(ToolParser):
     accept_unclosed = True
 
 
-PARSERS: dict[str, type[ToolParser]] = {cls.name: cls for cls in (ErnieX1ToolParser, HermesToolParser)}
+class Ernie45VLThinkingToolParser(ToolParser):
+    """ERNIE-4.5-VL-Thinking (FastDeploy's `ernie-45-vl-thinking`, registered there as `ernie_45-vl-thinking`):
+    after the thinking part, either an answer or `<tool_call>` blocks, nothing else. The content has calls only
+    when it opens with a block (newlines aside); then every block must hold a whole call, and the last may be
+    left open when the output ends. Anything else is an answer: all of it text, blocks and all."""
+
+    name = "ernie-45-vl-thinking"
+    accept_unclosed = True
+
+    def split(self, content: str, final: bool) -> ToolCallSplit:
+        lead = content.lstrip("\n")
+        if not (lead.startswith(self.START) or self.START.startswith(lead)):
+            return ToolCallSplit(content, [])  # an answer
+        if not final:
+            # Text after a call would still make all of it an answer: nothing is sure before the end.
+            return ToolCallSplit("", [])
+        split = super().split(lead, final)
+        if split.text.strip() or not split.calls:  # text beside the calls, or a block that is no call
+            return ToolCallSplit(content, [])
+        return ToolCallSplit("", split.calls)
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    **{cls.name: cls for cls in (ErnieX1ToolParser, HermesToolParser, Ernie45VLThinkingToolParser)},
+    "ernie_45-vl-thinking": Ernie45VLThinkingToolParser,  # FastDeploy's registered spelling
+}
 
 
 def known_tool_parsers() -> list[str]:
     return sorted(PARSERS)
+
+
+def register_tool_parser(cls: type[ToolParser]) -> type[ToolParser]:
+    """Make a ToolParser subclass (with a `name`) available as tool_call_parser=<name>; a class decorator for
+    tool_parser_plugin files (tool_parsers/plugins.py)."""
+    if not (isinstance(cls, type) and issubclass(cls, ToolParser)) or not isinstance(getattr(cls, "name", None), str):
+        raise TypeError(f"a tool parser must be a fastdeploy.tool_parsers.ToolParser subclass with a `name`, got {cls!r}")
+    PARSERS[cls.name] = cls
+    return cls
 
 
 def get_tool_parser(name: str) -> ToolParser:
