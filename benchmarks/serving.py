@@ -12,9 +12,10 @@ sent to /v1/completions as token-id lists so the length is exact on any server; 
 --output-len output tokens (max_tokens plus the vLLM/FastDeploy extras ignore_eos and min_tokens;
 --no-ignore-eos leaves them out). An asyncio semaphore keeps `concurrency` requests in flight; each is
 streamed with stream_options.include_usage after one warm-up request, and the client records:
-  TTFT    send -> first chunk carrying text
-  ITL     gaps between consecutive chunks carrying text (a chunk with several tokens is one gap)
-  tokens  usage.completion_tokens of the final chunk (else the number of chunks carrying text)
+  TTFT    send -> first chunk carrying a token (text, or for a server that streams a chunk per token
+          with empty text, as llama-server does for tokens that decode to nothing, the chunk itself)
+  ITL     gaps between consecutive such chunks (a chunk with several tokens is one gap)
+  tokens  usage.completion_tokens of the final chunk (else the number of such chunks)
 Per level: requests ok / failed (the first error is printed), wall time (first send -> last response),
 output tok/s = completion tokens / wall, requests/s, TTFT and ITL p50/p99 in ms.
 
@@ -86,7 +87,8 @@ async def stream_one(client, model: str, prompt: list[int], args: argparse.Names
             now = time.perf_counter()
             if chunk.usage is not None:
                 usage = chunk.usage.completion_tokens
-            if any(c.text for c in chunk.choices):
+            # A chunk per token, text or not; not the closing one (finish_reason alone) or a usage-only one.
+            if any(c.text or c.finish_reason is None for c in chunk.choices):
                 if last is None:
                     sample.ttft = now - sent
                 else:
