@@ -21,14 +21,13 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.engine import guided_requests
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.output_processor import OutputProcessor
-from fastdeploy.engine.request import Request
+from fastdeploy.engine.request import Request, request_error
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.engine.submission import EngineStats, RankedGroup, Route, Sink, Submission
 from fastdeploy.guided.matcher import GuidedDecoding
 from fastdeploy.input.tokenizer import Tokenizer
-from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import placeholder_error
 from fastdeploy.model_executor.multimodal import MultimodalInputs
 from fastdeploy.outputs import RequestMetrics, RequestOutput
 from fastdeploy.reasoning.parsers import get_reasoning_parser
@@ -169,7 +168,8 @@ class LLMEngine:
         if params.reasoning_max_tokens is not None and self.output_processor.reasoning_parser is None:
             raise ValueError("reasoning_max_tokens needs a thinking model run with reasoning_parser set on the LLM")
         reasoning = self.output_processor.start(request, prompt, index, enable_thinking, tool_calls)
-        error = error or self._validate(request)
+        bad_words = self.output_processor.bad_word_sequences(params.bad_words or ())
+        error = error or request_error(request, self.config, self.vocab_size, self._room(request), bad_words)
         if not error and params.guided_decoding is not None:
             error = guided_requests.attach_grammar(self.guided, request, reasoning)
         if error:
@@ -178,8 +178,7 @@ class LLMEngine:
             return request
         # As FastDeploy: max_tokens is cut to what fits after the prompt.
         request.max_tokens = min(params.max_tokens or self._room(request), self._room(request))
-        request.bad_words = self.output_processor.bad_word_sequences(params.bad_words or ())
-        request.bad_words += [(t,) for t in params.bad_words_token_ids or ()]
+        request.bad_words = bad_words + [(t,) for t in params.bad_words_token_ids or ()]
         if self.config.enable_prefix_caching and params.prompt_logprobs is None:
             request.prefix_leader = leader
         return request
@@ -206,52 +205,6 @@ class LLMEngine:
         """Output tokens that fit after the prompt, in max_model_len and in the whole KV cache."""
         capacity = self.runner.num_blocks * self.config.block_size
         return min(self.config.max_model_len, capacity) - request.num_prompt_tokens
-
-    def _validate(self, request: Request) -> str | None:
-        n, params, cfg = request.num_prompt_tokens, request.params, self.config
-        if n == 0:
-            return "the prompt is empty: it must have at least one token"
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            return f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}"
-        vl = cfg.model_config.multimodal
-        if vl is not None and (error := placeholder_error(vl.tokens, request.prompt_token_ids, request.mm is not None)):
-            return error
-        if n >= cfg.max_model_len:
-            return (f"the prompt has {n} tokens; max_model_len={cfg.max_model_len} leaves no room for output "
-                    "(the prompt must be shorter than max_model_len)")
-        if self._room(request) < 1:
-            return f"the prompt has {n} tokens; the KV cache holds only {self.runner.num_blocks * cfg.block_size}"
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and cfg.max_logprobs != -1 and (k == -1 or k > cfg.max_logprobs):
-                return f"{name}={k} is more than max_logprobs={cfg.max_logprobs}"
-        if cfg.logprobs_mode != "raw_logprobs" and (params.temp_scaled_logprobs or params.top_p_normalized_logprobs):
-            return (f"temp_scaled_logprobs / top_p_normalized_logprobs transform raw logprobs; this engine reports "
-                    f"logprobs_mode={cfg.logprobs_mode!r} (they need 'raw_logprobs')")
-        ids = (params.stop_token_ids or []) + (params.bad_words_token_ids or []) + list(params.logit_bias)
-        bad = [t for t in ids if t >= self.vocab_size]
-        if bad:
-            return (f"stop_token_ids, bad_words_token_ids and logit_bias keys must be < vocab size {self.vocab_size}, "
-                    f"got {bad}")
-        return self._bans_everything(request)
-
-    def _bans_everything(self, request: Request) -> str | None:
-        """Why no token could ever be sampled, if the request's bans can cover the whole vocabulary (a step
-        with every logit at -inf raises in the sampler, or a greedy row picks a banned id). Bad-word
-        sequences sharing a prefix ban their last tokens together once it is output: counted as if it may be."""
-        params = request.params
-        always = set(params.bad_words_token_ids or ())
-        after: dict[tuple[int, ...], set[int]] = {}
-        for seq in self.output_processor.bad_word_sequences(params.bad_words or ()):
-            (always if len(seq) == 1 else after.setdefault(seq[:-1], set())).add(seq[-1])
-        if params.min_tokens > 0:  # EOS and stop ids are banned until min_tokens outputs
-            always |= set(request.eos_token_ids) | set(params.stop_token_ids or ())
-        worst = always | max(after.values(), key=lambda s: len(s - always), default=set())
-        if sum(0 <= t < self.vocab_size for t in worst) >= self.vocab_size:
-            return (f"bad_words_token_ids, bad_words and (below min_tokens={params.min_tokens}) stop_token_ids and "
-                    f"EOS together ban all {self.vocab_size} tokens of the vocabulary: nothing could be sampled")
-        return None
 
     def add_request(self, request: Request) -> None:
         """Queue a request without a route (tests and benchmarks stepping by hand make its outputs with

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fastdeploy.config import EngineConfig
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.guided.matcher import GrammarState
+from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import placeholder_error
 from fastdeploy.model_executor.multimodal import MultimodalInputs
 from fastdeploy.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: F401 (FastDeploy's path)
 
@@ -104,3 +106,53 @@ class Request:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.metrics.model_execute_time = time.time() - self.metrics.arrival_time
+
+
+def request_error(request: Request, config: EngineConfig, vocab_size: int, room: int,
+                  bad_words: list[tuple[int, ...]]) -> str | None:
+    """Why this engine cannot run the request (for its error_code 400), or None. `room`: output tokens that
+    fit after its prompt; `bad_words`: its bad-word strings as token sequences."""
+    n, params = request.num_prompt_tokens, request.params
+    if n == 0:
+        return "the prompt is empty: it must have at least one token"
+    bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"prompt_token_ids must be in [0, {vocab_size}), got {bad[:5]}"
+    vl = config.model_config.multimodal
+    if vl is not None and (error := placeholder_error(vl.tokens, request.prompt_token_ids, request.mm is not None)):
+        return error
+    if n >= config.max_model_len:
+        return (f"the prompt has {n} tokens; max_model_len={config.max_model_len} leaves no room for output "
+                "(the prompt must be shorter than max_model_len)")
+    if room < 1:
+        return f"the prompt has {n} tokens; the KV cache holds only {n + room}"
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and config.max_logprobs != -1 and (k == -1 or k > config.max_logprobs):
+            return f"{name}={k} is more than max_logprobs={config.max_logprobs}"
+    if config.logprobs_mode != "raw_logprobs" and (params.temp_scaled_logprobs or params.top_p_normalized_logprobs):
+        return (f"temp_scaled_logprobs / top_p_normalized_logprobs transform raw logprobs; this engine reports "
+                f"logprobs_mode={config.logprobs_mode!r} (they need 'raw_logprobs')")
+    ids = (params.stop_token_ids or []) + (params.bad_words_token_ids or []) + list(params.logit_bias)
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        return f"stop_token_ids, bad_words_token_ids and logit_bias keys must be < vocab size {vocab_size}, got {bad}"
+    return _bans_everything(request, vocab_size, bad_words)
+
+
+def _bans_everything(request: Request, vocab_size: int, bad_words: list[tuple[int, ...]]) -> str | None:
+    """Why no token could ever be sampled, if the request's bans can cover the whole vocabulary (a step with
+    every logit at -inf raises in the sampler, or a greedy row picks a banned id). Bad-word sequences sharing
+    a prefix ban their last tokens together once it is output: counted as if it may be."""
+    params = request.params
+    always = set(params.bad_words_token_ids or ())
+    after: dict[tuple[int, ...], set[int]] = {}
+    for seq in bad_words:
+        (always if len(seq) == 1 else after.setdefault(seq[:-1], set())).add(seq[-1])
+    if params.min_tokens > 0:  # EOS and stop ids are banned until min_tokens outputs
+        always |= set(request.eos_token_ids) | set(params.stop_token_ids or ())
+    worst = always | max(after.values(), key=lambda s: len(s - always), default=set())
+    if sum(0 <= t < vocab_size for t in worst) >= vocab_size:
+        return (f"bad_words_token_ids, bad_words and (below min_tokens={params.min_tokens}) stop_token_ids and "
+                f"EOS together ban all {vocab_size} tokens of the vocabulary: nothing could be sampled")
+    return None
