@@ -3,9 +3,7 @@
 Lines are grouped by what one LLM.chat / LLM.generate call shares (chat: the template keywords and tools;
 completions: nothing; the sampling parameters go per prompt). Each group is one whole (not streamed) call on
 its own thread, all at once: the engine serialises steps and every step advances every submitted request,
-whichever thread submitted it, so all groups run in the same batch (a uniform file is a single call).
-Whole calls rather than streamed ones: a streamed call's chunk holds one delta per request, and steps that
-another thread makes between two of its chunks would be merged into it; whole outputs lose nothing."""
+whichever thread submitted it, so all groups run in the same batch (a uniform file is a single call)."""
 from __future__ import annotations
 
 import json

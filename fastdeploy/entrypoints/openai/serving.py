@@ -254,17 +254,28 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(ctx: ServingContext, submissions: Sequence[Submission], choices: Sequence[Choice]) -> dict[str, Any]:
+@dataclass(slots=True)
+class Tally:
+    """What OpenAI's usage needs of a call's outputs, counted as they arrive (a stream keeps nothing else)."""
+
+    completion_tokens: int = 0
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # output index -> its prompt's cache hits
+
+    def add(self, output: RequestOutput) -> None:
+        self.completion_tokens += len(output.outputs.token_ids)
+        self.cached_tokens[output.outputs.index] = output.num_cached_tokens
+
+
+def usage(ctx: ServingContext, submissions: Sequence[Submission], tally: Tally) -> dict[str, Any]:
     """OpenAI's usage: prompt tokens counted once per prompt (not per sample), every sample's output (best_of
     candidates not returned included, as OpenAI bills them), and the prefix-cache hits if the server reports
     them."""
     prompt = sum(len(s.prompt_token_ids) for s in submissions)
-    completion = sum(len(c.token_ids) for c in choices)
-    counts: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                              "total_tokens": prompt + completion}
-    if ctx.prompt_tokens_details:
-        first = [s.first_index for s in submissions]  # one sample per prompt: its prompt's hits
-        counts["prompt_tokens_details"] = {"cached_tokens": sum(choices[i].cached_tokens for i in first)}
+    counts: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": tally.completion_tokens,
+                              "total_tokens": prompt + tally.completion_tokens}
+    if ctx.prompt_tokens_details:  # one sample per prompt gives its prompt's hits
+        counts["prompt_tokens_details"] = {
+            "cached_tokens": sum(tally.cached_tokens.get(s.first_index, 0) for s in submissions)}
     return counts
 
 
@@ -290,11 +301,9 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     tool_call_deltas: list[dict[str, Any]] = field(default_factory=list)
-    cached_tokens: int = 0  # the prompt's tokens found in the prefix cache
 
     def add(self, output: RequestOutput) -> None:
         out = output.outputs
-        self.cached_tokens = output.num_cached_tokens
         self.text += out.text or ""
         self.tool_call_deltas += out.tool_calls or []
         if out.reasoning_content is not None:
@@ -306,10 +315,11 @@ class Choice:
 
 
 async def gather(ctx: ServingContext, submissions: list[Submission], queue: asyncio.Queue, http: HTTPRequest
-                 ) -> list[Choice]:
-    """Every request's whole output, by index (a best_of prompt's candidates best first); the requests are
-    aborted the moment `http`'s client disconnects."""
-    choices = [Choice() for _ in range(sum(map(len, submissions)))]
+                 ) -> tuple[list[Choice], Tally]:
+    """Every request's whole output, by index (a best_of prompt's candidates best first), and the call's tally;
+    the requests are aborted the moment `http`'s client disconnects."""
+    choices, tally = [Choice() for _ in range(sum(map(len, submissions)))], Tally()
     async for output in request_outputs(ctx, submissions, queue, http):
         choices[output.outputs.index].add(output)
-    return choices
+        tally.add(output)
+    return choices, tally

@@ -18,7 +18,7 @@ from fastdeploy.entrypoints.openai.extras import (ChunkGroups, check_raw_chat, r
                                                   skips_template)
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, json_logprob, make_submissions, now,
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, Tally, gather, json_logprob, make_submissions, now,
     request_outputs, sampling_params, sse, submit, top_entries, usage)
 from fastdeploy.input.chat_template import RequestTemplate
 from fastdeploy.outputs import Logprob, RequestOutput
@@ -71,10 +71,17 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if body.stream:
         return EventStream(_stream(ctx, body, submissions, queue, call_id, created, k, calls_finish), ctx,
                            submissions)
-    choices = await gather(ctx, submissions, queue, http)
-    prompt_ids = submissions[0].prompt_token_ids
-    response = {
-        "id": call_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
+    choices, tally = await gather(ctx, submissions, queue, http)
+    return JSONResponse(chat_response(body, call_id, created, ctx.model_name, choices,
+                                      submissions[0].prompt_token_ids, usage(ctx, submissions, tally), calls_finish))
+
+
+def chat_response(body: ChatCompletionRequest, call_id: str, created: int, model: str, choices: list[Choice],
+                  prompt_ids: list[int], usage: dict[str, Any], calls_finish: bool = True) -> dict[str, Any]:
+    """A whole chat.completion body (the server's, and `fastdeploy run-batch`'s)."""
+    k = body.top_logprobs or 0
+    return {
+        "id": call_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{
             "index": i,
             "message": {"role": "assistant", **_answer(c), "reasoning_content": c.reasoning,
@@ -83,9 +90,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
             "finish_reason": "tool_calls" if c.tool_call_deltas and calls_finish else c.finish_reason,
             "stop_reason": c.stop_reason,
         } for i, c in enumerate(choices)],
-        "usage": usage(ctx, submissions, choices),
+        "usage": usage,
     }
-    return JSONResponse(response)
 
 
 def _request_template(ctx: ServingContext, body: ChatCompletionRequest
@@ -158,7 +164,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, submissions:
                     "choices": choices, **extra})
 
     try:
-        choices = [Choice() for _ in range(body.n)]  # for the usage
+        tally = Tally()
         for i in range(body.n):  # the first chunk of each choice carries the role
             delta = {"role": "assistant", "content": ""}
             if body.return_token_ids:
@@ -167,7 +173,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, submissions:
         called: set[int] = set()  # choices that made tool calls
         groups = ChunkGroups(body.max_streaming_response_tokens)
         async for output in request_outputs(ctx, submissions, queue):
-            choices[output.outputs.index].add(output)
+            tally.add(output)
             choice = _delta_choice(body, output, k, called, calls_finish)
             for part in _one_call_item_each(choice):
                 if (ready := groups.add(part, output.finished)) is not None:
@@ -175,7 +181,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, submissions:
         if (ready := groups.rest()) is not None:
             yield chunk(ready)
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage=usage(ctx, submissions, choices))
+            yield chunk([], usage=usage(ctx, submissions, tally))
     except APIError as e:  # the engine failed mid-stream: say so in the stream, then end it
         yield sse({"error": {"message": e.message, "type": "internal_server_error", "code": e.status}})
     yield SSE_DONE

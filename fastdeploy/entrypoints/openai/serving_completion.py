@@ -17,7 +17,7 @@ from fastdeploy.entrypoints.multimodal import Prepared
 from fastdeploy.entrypoints.openai.extras import ChunkGroups, completion_prompts, response_id
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, EventStream, ServingContext, gather, make_submissions, now, request_outputs,
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, Tally, gather, make_submissions, now, request_outputs,
     sampling_params, json_logprob, sse, submit, top_entries, usage)
 from fastdeploy.outputs import Logprob
 
@@ -53,21 +53,30 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, http: 
         return EventStream(_stream(ctx, body, submissions, queue, echoes, call_id, created, k), ctx, submissions)
     # Deltas, joined here; but best_of candidates come whole once all are done, ranked by the engine.
     queue = await submit(ctx, submissions, http, stream=not params.ranks_candidates)
-    choices = await gather(ctx, submissions, queue, http)
+    choices, tally = await gather(ctx, submissions, queue, http)
+    # With best_of > n: each prompt's n best candidates, best first.
     returned = [(p, s.first_index + rank) for p, s in enumerate(submissions) for rank in range(s.num_returned)]
-    response = {
-        "id": call_id, "object": "text_completion", "created": created, "model": ctx.model_name,
-        "choices": [{
-            "index": i, "text": _echo(ctx, body, prompts[p]) + choices[c].text, "reasoning_content": choices[c].reasoning,
-            "logprobs": completion_logprobs(choices[c].token_ids, choices[c].logprobs, k, 0)
-            if body.logprobs is not None else None,
-            "finish_reason": choices[c].finish_reason, "stop_reason": choices[c].stop_reason,
-            **_token_ids(body, submissions[p], choices[c].token_ids),
-        } for i, (p, c) in enumerate(returned)],  # with best_of > n: each prompt's n best candidates, best first
-        # Every generated candidate's tokens count, as OpenAI bills best_of.
-        "usage": usage(ctx, submissions, choices),
-    }
-    return JSONResponse(response)
+    return JSONResponse(completion_response(call_id, created, ctx.model_name, [
+        completion_choice(body, i, _echo(ctx, body, prompts[p]), choices[c], submissions[p].prompt_token_ids)
+        for i, (p, c) in enumerate(returned)], usage(ctx, submissions, tally)))  # usage: every candidate's tokens
+
+
+def completion_choice(body: CompletionRequest, index: int, echo: str, choice: Choice, prompt_ids: list[int]
+                      ) -> dict[str, Any]:
+    """One choice of a whole text_completion body (the server's, and `fastdeploy run-batch`'s)."""
+    out = {"index": index, "text": echo + choice.text, "reasoning_content": choice.reasoning,
+           "logprobs": completion_logprobs(choice.token_ids, choice.logprobs, body.logprobs or 0, 0)
+           if body.logprobs is not None else None,
+           "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+    if body.return_token_ids:
+        out.update(prompt_token_ids=prompt_ids, completion_token_ids=choice.token_ids)
+    return out
+
+
+def completion_response(call_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                        usage: dict[str, Any]) -> dict[str, Any]:
+    return {"id": call_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage}
 
 
 def _echo(ctx: ServingContext, body: CompletionRequest, prompt: Prepared) -> str:
@@ -77,12 +86,6 @@ def _echo(ctx: ServingContext, body: CompletionRequest, prompt: Prepared) -> str
     return text if text is not None else ctx.engine.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def _token_ids(body: CompletionRequest, submission: Submission, completion: list[int]) -> dict[str, Any]:
-    if not body.return_token_ids:
-        return {}
-    return {"prompt_token_ids": submission.prompt_token_ids, "completion_token_ids": completion}
-
-
 async def _stream(ctx: ServingContext, body: CompletionRequest, submissions: list[Submission], queue: asyncio.Queue,
                   echoes: list[str], call_id: str, created: int, k: int) -> AsyncIterator[str]:
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -90,14 +93,14 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, submissions: lis
                     "choices": choices, **extra})
 
     sent = [len(e) for e in echoes]  # characters of each choice's text sent so far (for text_offset)
-    choices = [Choice() for _ in echoes]  # for the usage
+    tally = Tally()
     groups = ChunkGroups(body.max_streaming_response_tokens)
     try:
         for i, echo in enumerate(echoes):
             if echo:
                 yield chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
         async for output in request_outputs(ctx, submissions, queue):
-            choices[output.outputs.index].add(output)
+            tally.add(output)
             out = output.outputs
             logprobs = None
             if body.logprobs is not None and out.token_ids:
@@ -119,7 +122,7 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, submissions: lis
         if (ready := groups.rest()) is not None:
             yield chunk(ready)
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage=usage(ctx, submissions, choices))
+            yield chunk([], usage=usage(ctx, submissions, tally))
     except APIError as e:
         yield sse({"error": {"message": e.message, "type": "internal_server_error", "code": e.status}})
     yield SSE_DONE
