@@ -85,32 +85,34 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def free_after(self, request: Request, num_new_tokens: int, prefix_hits: Sequence[int] = ()) -> int:
-        """Free blocks left if the request (with no blocks yet) got blocks for its computed tokens, the prefix
-        hits it adopts and num_new_tokens more."""
-        revived = sum(self.blocks[b].ref_count == 0 for b in prefix_hits)
+    def _new_blocks(self, request: Request, num_new_tokens: int, prefix_hits: Sequence[int]) -> int:
+        """Fresh blocks the request needs, beyond its table and the prefix hits it adopts, for num_new_tokens
+        more tokens after its computed ones."""
         num_target = request.num_computed_tokens + len(prefix_hits) * self.block_size + num_new_tokens
-        return len(self.free) - revived - (self.blocks_needed(num_target) - len(prefix_hits))
+        return max(self.blocks_needed(num_target) - len(self.block_table(request.request_id)) - len(prefix_hits), 0)
+
+    def _revived(self, prefix_hits: Sequence[int]) -> int:
+        """Prefix hits no request holds: adopting them takes them out of the free list too."""
+        return sum(self.blocks[b].ref_count == 0 for b in prefix_hits)
+
+    def free_after(self, request: Request, num_new_tokens: int, prefix_hits: Sequence[int] = ()) -> int:
+        """Free blocks left if the request got blocks for num_new_tokens more tokens and the prefix hits."""
+        return len(self.free) - self._new_blocks(request, num_new_tokens, prefix_hits) - self._revived(prefix_hits)
 
     def allocate(self, request: Request, num_new_tokens: int, prefix_hits: Sequence[int] = ()) -> bool:
         """Give the request blocks for num_new_tokens more tokens after its computed ones and the
         prefix hits it adopts (when it has no blocks yet). False, with nothing changed, if the pool is
         too small."""
-        table = self._tables.setdefault(request.request_id, [])
-        revived = [b for b in prefix_hits if self.blocks[b].ref_count == 0]
-        num_target = request.num_computed_tokens + len(prefix_hits) * self.block_size + num_new_tokens
-        num_new_blocks = self.blocks_needed(num_target) - len(table) - len(prefix_hits)
-        # Reviving an unreferenced cached block takes it out of the free list too.
-        if num_new_blocks + len(revived) > len(self.free):
-            if not table:
-                del self._tables[request.request_id]
+        num_new_blocks = self._new_blocks(request, num_new_tokens, prefix_hits)
+        if num_new_blocks + self._revived(prefix_hits) > len(self.free):
             return False
+        table = self._tables.setdefault(request.request_id, [])
         for block_id in prefix_hits:
             self._take(block_id)
             table.append(block_id)
         if prefix_hits:
             self._num_hashed[request.request_id] = len(prefix_hits)
-        for _ in range(max(num_new_blocks, 0)):
+        for _ in range(num_new_blocks):
             block_id = next(iter(self.free))
             block = self.blocks[block_id]
             self._take(block_id)
