@@ -2,8 +2,8 @@
 
 A full block is identified by a hash chained over its parent's hash and its own tokens, so equal
 hashes mean equal whole prefixes. The hash is SHA-256: with Python's hash() a client could craft a prompt
-whose blocks collide with another's and be handed that request's KV. Freed blocks keep their hash and stay reusable until the
-allocator needs them again; eviction takes the least recently freed first.
+whose blocks collide with another's and be handed that request's KV. Freed blocks keep their hash and stay
+reusable until the allocator needs them again; eviction takes the least recently freed first.
 """
 from __future__ import annotations
 

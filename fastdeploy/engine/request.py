@@ -13,7 +13,8 @@ from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.guided.matcher import GrammarState
 from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import placeholder_error
 from fastdeploy.model_executor.multimodal import MultimodalInputs
-from fastdeploy.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: F401 (FastDeploy's path)
+# The user-facing outputs, importable from here as FastDeploy's fastdeploy.engine.request path has them.
+from fastdeploy.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: F401
 
 
 class RequestStatus(enum.Enum):

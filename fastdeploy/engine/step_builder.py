@@ -26,7 +26,6 @@ from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request
 from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import chunk_inputs
 from fastdeploy.sampling import rows as sampling_rows
-from fastdeploy.sampling.rows import logprob_transforms
 from fastdeploy.sampling.stage import sampler_alone
 from fastdeploy.step_types import ForwardBatch, SamplingBatch, SchedulerOutput, VisionSlice
 
@@ -120,7 +119,7 @@ def build_step(requests: list[Request], counts: list[int], block_manager: BlockM
         prompt_logprob_targets=_int64([r.prompt_token_ids[p + 1] for r, p, _ in prompt_rows]))
     if any(samplers[j].params.temp_scaled_logprobs or samplers[j].params.top_p_normalized_logprobs
            for j in logprob_rows):
-        model_input.logprob_temperature, model_input.logprob_top_p = logprob_transforms(
+        model_input.logprob_temperature, model_input.logprob_top_p = sampling_rows.logprob_transforms(
             [samplers[j].params for j in logprob_rows])
     return ScheduledStep(list(requests), list(counts), samplers, [(r, p) for r, p, _ in prompt_rows], model_input)
 

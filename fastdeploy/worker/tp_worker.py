@@ -2,8 +2,9 @@
 the same interpreter.
 
 It reads one bootstrap line (rank, world size, channel port, token, the inherited descriptor of the
-collectives' shared memory) from stdin, connects to rank 0's channel, joins the collectives, loads its shard of the model and then runs every step rank 0
-sends, until it is told to stop, its channel closes, or its stdin reaches end-of-file (rank 0 died).
+collectives' shared memory) from stdin, connects to rank 0's channel, joins the collectives, loads its
+shard of the model and then runs every step rank 0 sends, until it is told to stop, its channel closes,
+or its stdin reaches end-of-file (rank 0 died).
 It never reads the terminal's Ctrl-C: it runs in its own session and ignores SIGINT.
 """
 from __future__ import annotations
