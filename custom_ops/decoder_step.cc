@@ -67,7 +67,9 @@ struct StepBatch {
   int64_t* argmax;           // [R] or nullptr: also each logit row's token, taken while the logits are in cache:
                              // the sampling op's argmax, or with sample_params its draw
   const double* sample_params;  // [R, kSampleCols] (the sampling op's table) or nullptr: greedy argmax
-  const int64_t* sample_offsets;  // [3R + 1] zeros: no banned, prompt or output ids (nothing penalised)
+  const int64_t* sample_lists;  // with sample_params: the sampling op's token_lists (3R + 1 CSR offsets, then
+                                // the rows' banned, prompt and output ids), n_sample_lists int64 in all
+  int64_t n_sample_lists;
 };
 
 // Where a step's time goes (the benchmarks report the share outside the weight-streaming GEMMs). Keep in
@@ -227,6 +229,22 @@ bool check_model(const StepModel& m) {
   return true;
 }
 
+// The token lists of an in-forward draw: offsets from 0 to the number of ids, never decreasing, ids in the vocab.
+bool check_sample_lists(const StepModel& m, const StepBatch& s) {
+  const int64_t heads = 3 * s.R + 1, V = m.lm_head.N;
+  if (s.argmax == nullptr || s.sample_lists == nullptr || s.n_sample_lists < heads)
+    return fail("batch: sampling needs the token list (%lld int64 for %lld rows, at least %lld)",
+                (long long)s.n_sample_lists, (long long)s.R, (long long)heads);
+  const int64_t* off = s.sample_lists;
+  if (off[0] != 0 || off[3 * s.R] != s.n_sample_lists - heads)
+    return fail("batch: token offsets must run from 0 to the number of ids (%lld)", (long long)(s.n_sample_lists - heads));
+  for (int64_t i = 0; i < 3 * s.R; ++i)
+    if (off[i] > off[i + 1]) return fail("batch: token offsets must not decrease");
+  for (int64_t i = heads; i < s.n_sample_lists; ++i)
+    if (off[i] < 0 || off[i] >= V) return fail("batch: token id %lld outside [0, %lld)", (long long)off[i], (long long)V);
+  return true;
+}
+
 // The batch against the model: token ids, positions and logit rows in range, lengths that add up.
 bool check_batch(const StepModel& m, const StepBatch& s) {
   if (s.T < 1 || s.B < 1 || s.R < 0 || s.max_blocks < 1 || s.ids == nullptr || s.positions == nullptr ||
@@ -243,7 +261,7 @@ bool check_batch(const StepModel& m, const StepBatch& s) {
   for (int64_t r = 0; r < s.R; ++r)
     if (s.logit_rows[r] < 0 || s.logit_rows[r] >= s.T)
       return fail("batch: logit row %lld outside [0, %lld)", (long long)s.logit_rows[r], (long long)s.T);
-  return true;
+  return s.sample_params == nullptr || check_sample_lists(m, s);
 }
 
 // Query starts and the cache slot of every new token (its context position through its request's block
@@ -438,14 +456,14 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
   kt.rms_norm(b.rows_y, b.rows_r, m.final_norm, b.rows_y, b.rows_r, s.R, H, m.eps);
   kt.linear(LinearArgs{b.rows_y, m.lm_head.w, m.lm_head.scales, s.logits, s.R, m.lm_head.K, m.lm_head.N,
                        m.lm_head.fmt});
-  // The rows' tokens (nothing banned or penalised), taken while the logits are still in cache.
+  // The rows' tokens, taken while the logits are still in cache: a plain argmax, or the sampling op's draw
+  // (bans, penalties, filters) over the same table and token lists it takes.
   if (s.argmax != nullptr && s.sample_params == nullptr) {
     kt.argmax(s.logits, s.R, m.lm_head.N, s.argmax);
   } else if (s.argmax != nullptr) {
     float* tau = static_cast<float*>(scratch(7, s.R * sizeof(float)));  // unread: no logprobs here
-    // Every token list is empty (all offsets zero), so the ids pointer is never read.
-    kt.sample(SampleArgs{s.logits, s.sample_offsets, s.sample_offsets, s.sample_params, s.argmax, tau, s.R,
-                         m.lm_head.N});
+    kt.sample(SampleArgs{s.logits, s.sample_lists + 3 * s.R + 1, s.sample_lists, s.sample_params, s.argmax, tau,
+                         s.R, m.lm_head.N});
   }
   clock.mark(kHead);
   return 0;

@@ -15,7 +15,8 @@ from fastdeploy.model_executor.forward_context import allocate_kv_caches
 from fastdeploy.step_types import block_table_array
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.model_config import ModelConfig
-from fastdeploy.sampling.sampler import Sampler, param_table
+from fastdeploy.sampling.policy import InForward, pack_token_ids, param_table
+from fastdeploy.sampling.sampler import Sampler
 from fastdeploy.step_types import ForwardBatch, SamplingBatch
 from fastdeploy.model_executor.models.compiled_description import unsupported_reason
 from fastdeploy.worker.compiled_step import CompiledDecoder
@@ -147,10 +148,12 @@ def test_greedy_tokens_inside_the_step_are_the_argmax_of_its_logits(quantization
     assert checked > 0
 
 
-def test_sampled_tokens_inside_the_step_are_the_sampling_ops() -> None:
-    """forward_tokens with a parameter table (the runner's path for rows nothing bans or penalises) draws
-    what the sampling op draws from the logits forward returns: temperature, top-k, top-p, min-p and greedy
-    rows mixed, each with its own uniform."""
+@pytest.mark.parametrize("touched", [False, True])
+def test_sampled_tokens_inside_the_step_are_the_sampling_ops(touched: bool) -> None:
+    """forward_tokens with a parameter table (the runner's path whenever only the sampler reads the logits)
+    draws what the sampling op draws from the logits forward returns: temperature, top-k, top-p, min-p and
+    greedy rows mixed, each with its own uniform; `touched`: with banned ids and repetition / frequency /
+    presence penalties over prompt and output ids too."""
     model = load_model(ModelConfig.from_pretrained(MODELS / "ernie45_moe_tiny_hf"))
     cfg = model.config
     kv = allocate_kv_caches(cfg.num_hidden_layers, 12, BLOCK, cfg.num_key_value_heads, cfg.head_dim, "bfloat16")
@@ -161,15 +164,41 @@ def test_sampled_tokens_inside_the_step_are_the_sampling_ops() -> None:
         rows = len(batch.logit_rows)
         if not rows:
             continue
+        lists = {}
+        if touched:
+            ids = lambda n: rng.integers(0, cfg.vocab_size, n).tolist()  # noqa: E731
+            lists = dict(banned_token_ids=[ids(rng.integers(0, 4)) for _ in range(rows)],
+                         prompt_token_ids=[ids(rng.integers(1, 20)) for _ in range(rows)],
+                         output_token_ids=[ids(rng.integers(0, 10)) for _ in range(rows)],
+                         repetition_penalty=rng.choice([1.0, 1.3, 0.8], rows).tolist(),
+                         frequency_penalty=rng.choice([0.0, 0.5], rows).tolist(),
+                         presence_penalty=rng.choice([0.0, -0.4], rows).tolist())
         policy = SamplingBatch.from_lists(
             rows, temperature=rng.choice([0.0, 0.6, 1.0, 1.7], rows).tolist(), top_k=rng.choice([0, 3, 40], rows).tolist(),
             top_p=rng.choice([1.0, 0.8], rows).tolist(), min_p=rng.choice([0.0, 0.1], rows).tolist(),
-            uniforms=rng.random(rows).tolist())
+            uniforms=rng.random(rows).tolist(), **lists)
+        token_ids, offsets = pack_token_ids(policy, cfg.vocab_size)
         logits = compiled.forward(batch)
-        tokens = compiled.forward_tokens(batch, param_table(policy, policy.greedy_mask()))
+        how = InForward(param_table(policy, policy.greedy_mask()), np.concatenate([offsets, token_ids]))
+        tokens = compiled.forward_tokens(batch, how)
         assert tokens == sampler(logits, policy).tolist()
         checked += rows
     assert checked > 0
+
+
+def test_bad_token_lists_are_a_clear_error() -> None:
+    """The in-forward draw checks its token lists (offsets, ids in the vocabulary) before anything runs."""
+    model = load_model(ModelConfig.from_pretrained(MODELS / "qwen2_tiny"))
+    cfg = model.config
+    kv = allocate_kv_caches(cfg.num_hidden_layers, 4, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    compiled = CompiledDecoder.build(model, kv, BLOCK, MAX_LEN)
+    batch = ForwardBatch(np.ones(2, np.int64), np.arange(2, dtype=np.int64), [2], [2], [[0]], np.asarray([1]))
+    table = param_table(SamplingBatch.from_lists(1, uniforms=[0.5]), np.ones(1, bool))
+    for lists, what in (([0, 0, 0, 2, 5], "offsets must run"), ([0, 1, 1, 0, 5], "offsets must run"),
+                        ([0, 2, 1, 2, 5, 6], "must not decrease"), ([0, 1, 1, 1, cfg.vocab_size], "token id"),
+                        ([0, 1, 1, 1, -1], "token id"), ([0, 0, 0], "token list")):
+        with pytest.raises(ValueError, match=what):
+            compiled.forward_tokens(batch, InForward(table, np.asarray(lists, np.int64)))
 
 
 def test_multimodal_steps_run_compiled_only_without_vision_rows() -> None:

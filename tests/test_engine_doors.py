@@ -4,6 +4,8 @@ output processor, step building) are reached only from inside fastdeploy/engine/
 from __future__ import annotations
 
 import ast
+import sys
+import threading
 from pathlib import Path
 
 import fastdeploy
@@ -50,3 +52,30 @@ def test_the_checks_see_a_violation() -> None:
     assert imported_engine_modules(tree) == {"request", "scheduler"}
     tree = ast.parse("engine.output_processor.release(x)")
     assert {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} & PRIVATE_ATTRIBUTES
+
+
+def test_a_requests_offline_path_crosses_at_most_16_files() -> None:
+    """Issue 42's bound on how much code a request's way through the engine asks a reader to follow: the
+    fastdeploy files whose functions run while LLM.generate serves one sampled prompt on the compiled step
+    (the demo model; FastDeploy's default min_tokens=1 bans EOS on the first token)."""
+    from fastdeploy import LLM, SamplingParams
+
+    llm = LLM(model=str(PACKAGE.parent / "models" / "ernie-4.5-demo"), max_model_len=256)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8)
+    llm.generate(["warm up"], params, use_tqdm=False)
+    crossed: set[str] = set()
+
+    def profile(frame, event, arg) -> None:  # noqa: ANN001 - sys.setprofile's signature
+        if event == "call" and frame.f_code.co_filename.startswith(str(PACKAGE)):
+            crossed.add(str(Path(frame.f_code.co_filename).relative_to(PACKAGE)))
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        outputs = llm.generate(["Tell me about the sea"], params, use_tqdm=False)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    assert outputs[0].outputs.token_ids, "nothing was generated"
+    assert "worker/compiled_step.py" in crossed, sorted(crossed)
+    assert len(crossed) <= 16, sorted(crossed)

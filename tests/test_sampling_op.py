@@ -27,7 +27,8 @@ import pytest
 from fastdeploy import ops
 from fastdeploy.ops import build
 from fastdeploy.sampling import sampler as sampling_mod
-from fastdeploy.sampling.sampler import Sampler, pack_token_ids
+from fastdeploy.sampling.policy import pack_token_ids
+from fastdeploy.sampling.sampler import Sampler
 from fastdeploy.step_types import SamplingBatch
 
 LIB = build.library()

@@ -6,7 +6,7 @@ side), kept with the requests in a ScheduledStep for the scheduler's update afte
 `SteadyDecode` makes the next step of a plain decoding batch by moving the last one on by a token instead.
 While a batch only decodes, every request one new token sampled with nothing but its sampling policy (no
 bans, bias, logprobs, forced tokens, grammar or media: `plain_decoder` for the requests,
-sampling.stage.sampler_alone for the step), a step differs from the last by one token per request: the ids,
+sampling.policy.sampler_alone for the step), a step differs from the last by one token per request: the ids,
 positions and context lengths move on, a block table gains a block now and then and the sampled rows draw
 new uniforms. So the scheduler keeps such a step and, when it schedules the same requests the same way
 again, updates that step's arrays in place instead of building them anew (vLLM's persistent batch, in
@@ -25,8 +25,8 @@ import numpy as np
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request
 from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import chunk_inputs
-from fastdeploy.sampling import rows as sampling_rows
-from fastdeploy.sampling.stage import sampler_alone
+from fastdeploy.sampling import policy as sampling_policy
+from fastdeploy.sampling.policy import sampler_alone
 from fastdeploy.step_types import ForwardBatch, SamplingBatch, SchedulerOutput, VisionSlice
 
 
@@ -44,12 +44,12 @@ class ScheduledStep:
 
 
 def sampling_batch(requests: list[Request]) -> SamplingBatch:
-    """The sampling rows of `requests`: sampling/rows.py builds them from each request's parameters,
+    """The sampling rows of `requests`: sampling/policy.py builds them from each request's parameters,
     prompt and output ids, bans and generator (its docstring says what is decided there)."""
     outputs = [r.output_token_ids for r in requests]
-    banned = [sampling_rows.banned_tokens(output, r.bad_words, r.below_min_tokens, r.eos_token_ids,
+    banned = [sampling_policy.banned_tokens(output, r.bad_words, r.below_min_tokens, r.eos_token_ids,
                                           r.params.stop_token_ids) for r, output in zip(requests, outputs)]
-    return sampling_rows.sampling_batch([r.params for r in requests], [r.prompt_token_ids for r in requests],
+    return sampling_policy.sampling_batch([r.params for r in requests], [r.prompt_token_ids for r in requests],
                                         outputs, banned, [r.generator for r in requests])
 
 
@@ -119,7 +119,7 @@ def build_step(requests: list[Request], counts: list[int], block_manager: BlockM
         prompt_logprob_targets=_int64([r.prompt_token_ids[p + 1] for r, p, _ in prompt_rows]))
     if any(samplers[j].params.temp_scaled_logprobs or samplers[j].params.top_p_normalized_logprobs
            for j in logprob_rows):
-        model_input.logprob_temperature, model_input.logprob_top_p = sampling_rows.logprob_transforms(
+        model_input.logprob_temperature, model_input.logprob_top_p = sampling_policy.logprob_transforms(
             [samplers[j].params for j in logprob_rows])
     return ScheduledStep(list(requests), list(counts), samplers, [(r, p) for r, p, _ in prompt_rows], model_input)
 
@@ -127,8 +127,8 @@ def build_step(requests: list[Request], counts: list[int], block_manager: BlockM
 def plain_decoder(request: Request) -> bool:
     """Whether the request's decode steps stay the same every time, bar the token, on the request's side: no
     media, no grammar, nothing banned now or later (bad words, min_tokens) and nothing forced. The step's
-    side (no bias, logprobs or prompt rows: only the sampler reads the logits) is sampling.stage's
-    `sampler_alone`, the rule the compiled step's in-forward sampling starts from too."""
+    side (no bias, logprobs or prompt rows: only the sampler reads the logits) is sampling.policy's
+    `sampler_alone`, the rule for the compiled step's in-forward sampling too."""
     return (request.mm is None and request.grammar is None and not request.bad_words and not request.forced_tokens
             and not request.below_min_tokens)
 

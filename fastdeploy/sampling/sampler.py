@@ -1,6 +1,7 @@
 """Token sampling for a step's logits: bans, penalties, greedy argmax or temperature / top-k / top-p /
 min-p and an inverse-CDF draw, for the whole batch in one call of the compiled op `fd_sample`
-(custom_ops/kern_sampling.inc).
+(custom_ops/kern_sampling.inc); and the runner's SamplingStage around it (grammar masks, logit bias, forced
+tokens, logprobs) for the steps whose tokens the compiled forward did not take (policy.sample_in_forward).
 
 The semantics are the numpy sampler's (fastdeploy/sampling/reference.py), its reference. Each sampled
 row comes with its uniform (drawn by the caller from the row's own generator), so a row's token never
@@ -8,22 +9,19 @@ depends on the rest of the batch.
 """
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import numpy as np
 import paddle
 
 from fastdeploy.ops.build import call_op, compiled
+from fastdeploy.ops.token_bitmask import apply_token_bitmask_
 from fastdeploy.sampling.filters import Scratch
+from fastdeploy.sampling.logprobs import step_logprobs
+from fastdeploy.sampling.policy import PARAM_COLUMNS, pack_token_ids, param_table, with_forced_tokens
 from fastdeploy.sampling.reference import sample_numpy
-from fastdeploy.step_types import SamplingBatch
+from fastdeploy.step_types import ModelRunnerOutput, SamplingBatch, SchedulerOutput
 
-# Columns of the op's float64 parameter table, in fd::SampleCol order (custom_ops/fd_kernels.h), with
-# the dtype each value has first (as the numpy sampler holds it): float64 represents them all exactly.
-PARAM_COLUMNS = {"temperature": np.float32, "top_p": np.float32, "top_k": np.int64, "min_p": np.float32,
-                 "repetition_penalty": np.float32, "frequency_penalty": np.float32,
-                 "presence_penalty": np.float32, "uniforms": np.float64, "greedy": bool}
 _COLUMN = {name: j for j, name in enumerate(PARAM_COLUMNS)}
 _TOKEN_LISTS = ("banned_token_ids", "prompt_token_ids", "output_token_ids")
 # What the kernel needs of the sampled rows' values to mean anything (`sample` checks them; the
@@ -34,34 +32,6 @@ _SAMPLED_ROW_CHECKS = (
     ("top_p", lambda p: p <= 1, "<= 1"),
     ("min_p", lambda p: p <= 1, "<= 1"),
 )
-
-
-def pack_token_ids(batch: SamplingBatch, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The token lists the compiled sampler reads, as (ids, offsets) int64: row r's banned ids are
-    ids[offsets[3r]:offsets[3r + 1]], then its prompt ids up to offsets[3r + 2], then its output ids up
-    to offsets[3r + 3]. Lists a row's parameters do not use are left empty (and unchecked, as in the
-    numpy path)."""
-    n_rows = len(batch.banned_token_ids)
-    rep = batch.repetition_penalty != 1
-    needs_output = rep | (batch.frequency_penalty != 0) | (batch.presence_penalty != 0)
-    lists: list[Sequence[int]] = []
-    for r in range(n_rows):
-        lists += (batch.banned_token_ids[r], batch.prompt_token_ids[r] if rep[r] else (),
-                  batch.output_token_ids[r] if needs_output[r] else ())
-    lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    if any(isinstance(t, np.ndarray) for t in lists):  # e.g. prompts kept as arrays: no per-id Python work
-        ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in lists])
-    else:
-        ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(offsets[-1]))
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():  # name the first kind of list (banned, prompt, output) that holds a bad id
-        kind = int(np.repeat(np.tile(np.arange(3), n_rows), lens)[bad].min())
-        name = ("banned_token_ids", "prompt_token_ids", "output_token_ids")[kind]
-        raise ValueError(f"{name} must hold token ids in [0, {vocab_size})")
-    return ids, offsets
-
 
 
 def _check(logits: paddle.Tensor | np.ndarray, params: dict[str, object], token_ids: np.ndarray,
@@ -176,12 +146,6 @@ def _as_array(logits: paddle.Tensor | np.ndarray) -> np.ndarray:
     return x
 
 
-def param_table(batch: SamplingBatch, greedy: np.ndarray) -> np.ndarray:
-    """The op's float64 parameter table [B, len(PARAM_COLUMNS)] of a batch whose greedy rows are `greedy`."""
-    return np.column_stack([greedy if name == "greedy" else getattr(batch, name) for name in PARAM_COLUMNS]
-                           ).astype(np.float64, copy=False)
-
-
 class Sampler:
     """Samples a SamplingBatch from logits: the compiled op when built (and `use_compiled`), else the
     numpy sampler. The batch's values are trusted: SamplingParams validated them."""
@@ -216,3 +180,44 @@ class Sampler:
             return _run(lib, logits if as_is else view, table, ids, offsets, False)
         tokens, thresholds[:] = _run(lib, logits if as_is else view, table, ids, offsets, True)
         return tokens
+
+
+def with_logit_bias(logits: paddle.Tensor, step: SchedulerOutput) -> paddle.Tensor | np.ndarray:
+    """The sampler's input: logits plus each row's logit_bias (before penalties, as vLLM does); the raw
+    logits stay untouched for logprobs."""
+    if not len(step.bias_rows):
+        return logits
+    biased = np.array(logits.numpy(), copy=True)
+    biased[step.bias_rows, step.bias_token_ids] += step.bias_values
+    return biased
+
+
+class SamplingStage:
+    """Turns a forwarded step into its ModelRunnerOutput. Holds the sampler (the compiled op, or the numpy
+    sampler without it) and the engine's logprobs_mode."""
+
+    def __init__(self, logprobs_mode: str) -> None:
+        self.logprobs_mode = logprobs_mode
+        self.sampler = Sampler()
+
+    def __call__(self, step: SchedulerOutput, logits: paddle.Tensor | None,
+                 wait_for_masks: Callable[[], object] | None = None) -> ModelRunnerOutput:
+        """Sample the step from its logits [S + P, vocab] (None: no row needs them). `wait_for_masks`: returns
+        once step.token_bitmask is filled (the engine computes the grammar masks while the forward runs)."""
+        num_samples = step.num_samples
+        tokens: list[int] = []
+        if len(step.guided_rows):
+            if wait_for_masks is not None:
+                wait_for_masks()
+            apply_token_bitmask_(logits, step.guided_rows, step.token_bitmask)
+        sampled_from, thresholds = None, None
+        if num_samples:
+            sampled_from = with_logit_bias(logits[:num_samples], step)
+            if self.logprobs_mode.startswith("processed") and len(step.logprob_rows):
+                thresholds = np.empty(num_samples, dtype=np.float32)
+            tokens = with_forced_tokens(self.sampler(sampled_from, step.sampling, thresholds).tolist(), step)
+        output = ModelRunnerOutput(tokens)
+        if len(step.logprob_rows) or len(step.prompt_logprob_k):
+            output.logprobs, output.prompt_logprobs = step_logprobs(step, logits, sampled_from, thresholds, tokens,
+                                                                    self.logprobs_mode)
+        return output

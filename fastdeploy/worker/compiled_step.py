@@ -30,6 +30,7 @@ from fastdeploy.ops.build import OpsLibrary
 from fastdeploy.ops.kv_cache import FP8_SCALE_BYTES, cache_kind
 from fastdeploy.model_executor.models.compiled_description import CompiledLayer, describe, unsupported_reason
 from fastdeploy.ops.quant import FORMATS, PackedWeight
+from fastdeploy.sampling.policy import InForward
 from fastdeploy.step_types import ForwardBatch, block_table_array
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class _Batch(ctypes.Structure):
     _fields_ = [("ids", _ptr), ("positions", _ptr), ("q_lens", _ptr), ("ctx_lens", _ptr),
                 ("blocks", _ptr), ("logit_rows", _ptr), ("logits", _ptr), ("T", _i64), ("B", _i64),
                 ("max_blocks", _i64), ("R", _i64), ("argmax", _ptr), ("sample_params", _ptr),
-                ("sample_offsets", _ptr)]
+                ("sample_lists", _ptr), ("n_sample_lists", _i64)]
 
 
 def _address(t: paddle.Tensor | None) -> int | None:
@@ -193,11 +194,11 @@ class CompiledDecoder:
         self._run(inputs, logits.data_ptr() if rows else None, None)
         return logits if rows else None
 
-    def forward_tokens(self, inputs: ForwardBatch, sample_params: np.ndarray | None = None) -> list[int]:
+    def forward_tokens(self, inputs: ForwardBatch, how: InForward = InForward(None, None)) -> list[int]:
         """The forward pass and each logit row's token, taken inside the same call while the logits are in
-        cache: the sampling op's greedy argmax (first maximum, first NaN) or, given `sample_params` (the op's
-        float64 parameter table, for rows nothing bans or penalises), its draw; -1 for a sampled row without
-        a finite largest logit. The logits themselves go to a scratch buffer."""
+        cache: the sampling op's greedy argmax (first maximum, first NaN) or, given `how.params`, the op's draw
+        (with `how.token_lists`' bans and penalties); -1 for a sampled row without a finite largest logit. The
+        logits themselves go to a scratch buffer."""
         rows = len(inputs.logit_rows)
         if not rows:
             self._run(inputs, None, None)
@@ -208,22 +209,27 @@ class CompiledDecoder:
             self._scratch_logits = np.empty((rows, self.vocab), dtype=np.float32)
             argmax = np.empty(rows, dtype=np.int64)
             self._argmax = memoryview(argmax).cast("B").cast(argmax.dtype.char)
-            zero_offsets = np.zeros(3 * rows + 1, dtype=np.int64)  # no banned, prompt or output ids
-            self._scratch_addresses = (self._scratch_logits.ctypes.data, argmax.ctypes.data, zero_offsets.ctypes.data)
-            self._keep_scratch = (argmax, zero_offsets)
-        logits, tokens, offsets = self._scratch_addresses
-        if sample_params is None:
+            no_lists = np.zeros(3 * rows + 1, dtype=np.int64)  # every banned, prompt and output list empty
+            self._scratch_addresses = (self._scratch_logits.ctypes.data, argmax.ctypes.data, no_lists.ctypes.data)
+            self._keep_scratch = (argmax, no_lists)
+        logits, tokens, no_lists = self._scratch_addresses
+        if how.params is None:
             self._run(inputs, logits, tokens)
         else:
-            params = np.ascontiguousarray(sample_params, dtype=np.float64)
-            self._run(inputs, logits, tokens, params.ctypes.data, offsets)
+            params = np.ascontiguousarray(how.params, dtype=np.float64)
+            if how.token_lists is None:
+                lists = (no_lists, 3 * rows + 1)
+            else:
+                given = np.ascontiguousarray(how.token_lists, dtype=np.int64)
+                lists = (given.ctypes.data, len(given))
+            self._run(inputs, logits, tokens, params.ctypes.data, lists)
         return self._argmax[:rows].tolist()
 
     def _run(self, inputs: ForwardBatch, logits: int | None, tokens: int | None, sample_params: int | None = None,
-             sample_offsets: int | None = None) -> None:
+             sample_lists: tuple[int, int] = (0, 0)) -> None:
         batch = self._batch(inputs)
-        batch.logits, batch.argmax, batch.sample_params, batch.sample_offsets = logits, tokens, sample_params, \
-            sample_offsets
+        batch.logits, batch.argmax, batch.sample_params = logits, tokens, sample_params
+        batch.sample_lists, batch.n_sample_lists = sample_lists
         rc = self._step(ctypes.byref(self._model), ctypes.byref(batch), self._workspace)
         if rc != 0:
             raise ValueError(f"the compiled step refused its arguments: {self._error().decode()}" if rc == 1 else

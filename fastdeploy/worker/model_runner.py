@@ -3,9 +3,9 @@ a ModelRunnerOutput: sampled token ids and the logprobs asked for. It never sees
 
 The step's tokens are one ragged batch (no padding); only the rows the engine marked get logits: the
 requests that catch up with their known tokens this step sample one token, and prompt rows of
-requests that asked for prompt logprobs give those. `execute` forwards the step and hands it to the sampling
-stage (fastdeploy/sampling/stage.py), which also decides when the compiled step takes the tokens inside its
-forward call.
+requests that asked for prompt logprobs give those. `execute` asks fastdeploy/sampling/policy.py whether the
+compiled step may take the tokens inside its forward call; otherwise it forwards the step and hands the
+logits to the sampling stage (fastdeploy/sampling/sampler.py).
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
 from fastdeploy.model_executor.load import load_model
-from fastdeploy.sampling.stage import SamplingStage, sample_in_forward
+from fastdeploy.sampling.policy import sample_in_forward, sampled_in_forward
+from fastdeploy.sampling.sampler import SamplingStage
 from fastdeploy.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, VisionSlice
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
@@ -150,9 +151,9 @@ class ModelRunner:
         computes the grammar masks while the forward runs)."""
         batch = self.compiled.covers(step.forward) if self.compiled is not None else None
         if batch is not None:
-            how = sample_in_forward(step)
+            how = sample_in_forward(step, self.compiled.vocab)
             if how is not None:  # the compiled call takes the tokens while the logits are in cache
-                return self.sampling.sampled_in_forward(step, self.compiled.forward_tokens(batch, how.params), how)
+                return sampled_in_forward(step, self.compiled.forward_tokens(batch, how), how)
             logits = self.compiled.forward(batch)
         else:
             logits = self._layer_forward(step.forward)
