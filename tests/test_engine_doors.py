@@ -13,7 +13,7 @@ import fastdeploy
 PACKAGE = Path(fastdeploy.__file__).parent
 ENGINE = PACKAGE / "engine"
 # engine/ modules that hold or build the scheduler's records: nothing outside engine/ imports them.
-PRIVATE = {"request", "scheduler", "block_manager", "output_processor", "step_builder", "guided_requests"}
+PRIVATE = {"request", "scheduler", "block_manager", "output_processor", "step_builder", "structured_output"}
 PRIVATE_ATTRIBUTES = {"scheduler", "block_manager", "output_processor", "_routes"}
 
 

@@ -204,7 +204,7 @@ def test_structural_tag_constrains_only_the_tagged_segments(tiny_hf):
 
 
 def test_compiled_once_per_distinct_spec(llm):
-    guided = llm.engine.guided
+    guided = llm.engine.structured_output.guided
     before = len(guided.compile_seconds)
     spec = GuidedDecodingParams(regex="[0-9]{3}x")
     llm.generate(["a", "b"], SamplingParams(n=2, max_tokens=8, guided_decoding=spec), use_tqdm=False)

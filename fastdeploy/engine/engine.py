@@ -18,13 +18,13 @@ from collections import deque
 import numpy as np
 
 from fastdeploy.config import EngineConfig
-from fastdeploy.engine import guided_requests
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.output_processor import OutputProcessor
 from fastdeploy.engine.request import Request, request_error
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
+from fastdeploy.engine.structured_output import StructuredOutputManager
 from fastdeploy.engine.submission import EngineStats, RankedGroup, Route, Sink, Submission
 from fastdeploy.guided.matcher import GuidedDecoding
 from fastdeploy.input.tokenizer import Tokenizer
@@ -53,8 +53,9 @@ class LLMEngine:
         eos = mc.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = mc.vocab_size
-        self.guided = GuidedDecoding(self.tokenizer, mc.vocab_size, self.eos_token_ids, config.guided_decoding_backend,
-                                     config.guided_decoding_disable_any_whitespace)
+        self.structured_output = StructuredOutputManager(GuidedDecoding(
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, config.guided_decoding_backend,
+            config.guided_decoding_disable_any_whitespace))
         self._ids = itertools.count()
         # Filled from any thread, drained by the stepping thread (deque appends and pops are atomic).
         self._incoming: deque[Request] = deque()
@@ -171,7 +172,7 @@ class LLMEngine:
         bad_words = self.output_processor.bad_word_sequences(params.bad_words or ())
         error = error or request_error(request, self.config, self.vocab_size, self._room(request), bad_words)
         if not error and params.guided_decoding is not None:
-            error = guided_requests.attach_grammar(self.guided, request, reasoning)
+            error = self.structured_output.attach(request, reasoning)
         if error:
             request.error_code, request.error_msg = 400, error
             request.finish("abort")
@@ -231,21 +232,21 @@ class LLMEngine:
             if aborted or not self.scheduler.has_unfinished():
                 return aborted
             raise RuntimeError("scheduler made no progress: no request fits the KV cache")
-        constrained = any(r.grammar is not None for r in step.samplers)
+        grammars = any(r.grammar is not None for r in step.samplers)  # else the manager has nothing to do
         # The grammar masks are computed on the mask worker while the forward runs.
-        masks = guided_requests.start_masks(self.guided, step) if constrained else None
+        masks = self.structured_output.start_masks(step) if grammars else None
         try:
             output = self.runner.execute(step.model_input, masks.wait if masks else None)
         finally:
             if masks is not None:
                 masks.wait()  # the matchers are not touched again before their masks are done
         stepped = self.scheduler.update_from_output(step, output)
-        if constrained:
-            guided_requests.advance(self.scheduler, step.samplers,
+        if grammars:
+            self.structured_output.advance(self.scheduler, step.samplers,
                                     lambda request, e: self._fail_request(request, e, "guided decoding"))
         thinking_over = self._process_text(step, output)
-        if constrained:
-            guided_requests.activate_after_reasoning(thinking_over)
+        if grammars:
+            self.structured_output.activate_after_reasoning(thinking_over)
         return aborted + stepped
 
     def _take_inbox(self) -> list[Request]:
