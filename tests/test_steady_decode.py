@@ -70,6 +70,11 @@ def test_moved_on_steps_are_the_steps_built_anew(num_blocks: int) -> None:
         a, b = steady.schedule(), built.schedule()
         if kept is not None and a is kept:
             moved += 1
+            forward = a.model_input.forward  # only SteadyDecode may write the arrays it moves on
+            for array in (forward.token_ids, forward.positions, forward.context_lens, forward.block_tables,
+                          a.model_input.sampling.uniforms):
+                with pytest.raises(ValueError, match="read-only"):
+                    array[0] = array[0]
             grown += bool((a.model_input.forward.positions % 4 == 0).any())
             widened += a.model_input.forward.block_tables.shape[1] > width
         assert_same(a.model_input, b.model_input, f"step {step_number}")

@@ -12,8 +12,10 @@ new uniforms. So the scheduler keeps such a step and, when it schedules the same
 again, updates that step's arrays in place instead of building them anew (vLLM's persistent batch, in
 small). At one stream building a step was ~0.1 ms, most of the scheduler's time per token.
 
-The kept step is handed to the runner again, so nothing may hold a step's arrays past the step: the runner
-reads them during `execute` and the tensor-parallel workers get copies.
+The kept step is handed to the runner again, so its arrays are read-only to everyone else (SteadyDecode writes
+through views it made before; a write anywhere else raises), and nothing may keep them past the step as that
+step's values: the runner reads them during `execute`, the compiled step reads them afresh at every call and
+the tensor-parallel workers get copies.
 """
 from __future__ import annotations
 
@@ -133,10 +135,13 @@ def plain_decoder(request: Request) -> bool:
             and not request.below_min_tokens)
 
 
-def _flat(array: np.ndarray) -> memoryview:
+def _owned(array: np.ndarray) -> memoryview:
+    """SteadyDecode's writable view of a kept step's array, which becomes read-only to everyone else."""
     # Element updates through a memoryview: a numpy operation's code is cold after a step's weight stream and
     # costs 10-30 us the first time in a step, where writing a few elements this way costs a microsecond.
-    return memoryview(array).cast("B").cast(array.dtype.char)
+    view = memoryview(array).cast("B").cast(array.dtype.char)
+    array.flags.writeable = False
+    return view
 
 
 class SteadyDecode:
@@ -159,7 +164,7 @@ class SteadyDecode:
             sampling = step.model_input.sampling
             self.sampled_rows = np.flatnonzero(~sampling.greedy_mask()).tolist()
             self._ids, self._positions, self._context_lens, self._tables, self._uniforms = map(
-                _flat, (forward.token_ids, forward.positions, forward.context_lens, forward.block_tables,
+                _owned, (forward.token_ids, forward.positions, forward.context_lens, forward.block_tables,
                         sampling.uniforms))
 
     def forget(self) -> None:
@@ -185,7 +190,7 @@ class SteadyDecode:
                 index = position // size
                 if index >= width:
                     forward.block_tables = block_manager.table_array([r.request_id for r in requests])
-                    self._tables, width = _flat(forward.block_tables), forward.block_tables.shape[1]
+                    self._tables, width = _owned(forward.block_tables), forward.block_tables.shape[1]
                 else:
                     self._tables[i * width + index] = block_manager.block_table(request.request_id)[index]
         for i in self.sampled_rows:
