@@ -10,6 +10,7 @@ from fastdeploy.distributed.parallel_state import check_tp_size
 from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.model_resolve import DEFAULT_REVISION, resolve_model
 from fastdeploy.model_executor.quantization import QuantConfig, parse_quantization
+from fastdeploy.speculative import SpeculativeConfig
 from fastdeploy.not_implemented_args import refuse_not_implemented
 from fastdeploy.reasoning.parsers import known_parsers
 from fastdeploy.tool_parsers.parsers import known_tool_parsers
@@ -135,8 +136,12 @@ class EngineConfig:
                                                   "directory's name, or a hub repo id as given)")
     lm_head_fp32: bool = param(False, "hold the embedding / LM head table in float32 and compute the logits in float32")
     load_choices: str = param("default_v1", "FastDeploy's weight loader: default or default_v1 (both load the same here)")
+    speculative_config: dict[str, Any] | None = param(
+        None, 'speculative decoding, JSON like {"method": "ngram", "num_speculative_tokens": 4, "max_ngram_size": 5, '
+              '"min_ngram_size": 2} (docs/speculative_decoding.md)')
     model_config: ModelConfig = field(init=False, repr=False)
     quant: QuantConfig = field(init=False)  # `quantization`, parsed
+    speculative: SpeculativeConfig | None = field(init=False)  # `speculative_config`, parsed
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -180,6 +185,8 @@ class EngineConfig:
         self._check_batched_tokens()
         self._check_multimodal()
         self.quant = parse_quantization(self.quantization)
+        self.speculative = None if self.speculative_config is None else \
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         self.dtype = DTYPES[self.dtype]

@@ -1,7 +1,7 @@
 """FastDeploy's LLM / EngineArgs parameters this engine does not implement, with FastDeploy's defaults.
 
 FastDeploy code may pass any of them: its default value describes what this engine is (one node, one
-data-parallel rank, no prefill/decode split, no speculative decoding, no GPU-specific kernels, no remote
+data-parallel rank, no prefill/decode split, no GPU-specific kernels, no remote
 scheduler), so it is accepted; any other value raises NotImplementedError naming the parameter.
 Names taken from FastDeploy 2.x `fastdeploy/engine/args_utils.py` and `LLM.__init__` (use_cudagraph and
 innode_prefill_ports from its earlier 2.x releases, still in its docs/parameters.md). The server takes each as a
@@ -15,7 +15,7 @@ NOT_IMPLEMENTED: dict[str, Any] = {
     "port": None, "metrics_port": None, "model_config_name": "config.json", "tokenizer_base_url": None,
     "task": "generate", "runner": "auto", "convert": "auto", "model_impl": "auto", "override_pooler_config": None,
     "logits_processors": None, "dynamic_load_weight": False, "load_strategy": "normal",
-    "rsync_config": None, "speculative_config": None, "graph_optimization_config": None,
+    "rsync_config": None, "graph_optimization_config": None,
     "plas_attention_config": None, "enable_early_stop": False, "early_stop_config": None,
     "enable_keep_sampling_mask": False, "enable_entropy": False,
     "use_cudagraph": False,

@@ -56,6 +56,9 @@ class RequestMetrics:
     model_forward_time: float | None = None  # duration: inference_start_time -> latest output token
     model_execute_time: float | None = None  # duration: arrival_time -> latest output token (or finish)
     request_start_time: float | None = None  # as FastDeploy: the arrival_time again
+    # Speculative decoding (speculative_config): tokens drafted for this request, and those the model accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -36,7 +36,7 @@ def names(cls) -> set[str]:
 def test_every_fastdeploy_field_is_present():
     assert FD_REQUEST_OUTPUT <= names(RequestOutput)
     assert FD_COMPLETION_OUTPUT <= names(CompletionOutput)
-    assert names(RequestMetrics) == FD_METRICS
+    assert names(RequestMetrics) == FD_METRICS | {"num_draft_tokens", "num_accepted_tokens"}  # speculation's
 
 
 def test_fastdeploy_defaults():
@@ -46,7 +46,8 @@ def test_fastdeploy_defaults():
     assert RequestOutput("x", prompt_token_ids=[4, 5, 6]).prompt_token_ids_len == 3
     c = CompletionOutput(index=0, send_idx=0, token_ids=[])
     assert (c.decode_type, c.logprob, c.top_logprobs, c.draft_token_ids, c.tool_calls) == (0, None, None, [], None)
-    assert RequestMetrics(1.0).to_dict() == dict.fromkeys(FD_METRICS - {"arrival_time"}) | {"arrival_time": 1.0}
+    assert RequestMetrics(1.0).to_dict() == dict.fromkeys(FD_METRICS - {"arrival_time"}) | {
+        "arrival_time": 1.0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
 
 
 def json_round_trip(out: RequestOutput) -> RequestOutput:

@@ -146,6 +146,19 @@ class BlockManager:
                 self.cached.setdefault(parent, block.block_id)
         self._num_hashed[request.request_id] = max(done, num_full)
 
+    def trim(self, request: Request) -> None:
+        """Free the request's blocks past its known tokens: a step took them for drafts that were rejected
+        (never hashed, never shared), and holding them could push another request out of the cache."""
+        table = self._tables.get(request.request_id)
+        keep = self.blocks_needed(request.num_tokens)
+        while table and len(table) > keep:
+            block_id = table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                self.free.move_to_end(block_id, last=False)
+
     def release(self, request_id: str) -> None:
         """Drop the request's blocks; tail blocks go first in line for eviction."""
         for block_id in reversed(self._tables.pop(request_id, [])):

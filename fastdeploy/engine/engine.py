@@ -25,6 +25,7 @@ from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.engine.structured_output import StructuredOutputManager
+from fastdeploy.speculative import NgramDrafter
 from fastdeploy.engine.submission import EngineStats, RankedGroup, Route, Sink, Submission
 from fastdeploy.guided.matcher import GuidedDecoding
 from fastdeploy.input.tokenizer import Tokenizer
@@ -36,6 +37,18 @@ from fastdeploy.tool_parsers.parsers import ToolParser, get_tool_parser
 from fastdeploy.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def _emitted_rows(step: ScheduledStep) -> set[int] | None:
+    """The sampling rows whose tokens were emitted, when a request drafted in the step (else all were)."""
+    if len(step.rows) == len(step.samplers):
+        return None
+    rows, first = set(), 0
+    for request, emitted in zip(step.samplers, step.emitted):
+        rows.update(range(first, first + len(emitted)))
+        while first < len(step.rows) and step.rows[first] is request:  # its rows are consecutive
+            first += 1
+    return rows
 
 
 class LLMEngine:
@@ -182,7 +195,18 @@ class LLMEngine:
         request.bad_words = bad_words + [(t,) for t in params.bad_words_token_ids or ()]
         if self.config.enable_prefix_caching and params.prompt_logprobs is None:
             request.prefix_leader = leader
+        request.drafter = self._drafter(request)
         return request
+
+    def _drafter(self, request: Request) -> NgramDrafter | None:
+        """The request's draft source under speculative_config, if speculation can serve it: not for media,
+        a grammar (drafts are not checked against it yet) or a reasoning limit (a forced end of thinking
+        would have to cut a step's accepted drafts)."""
+        spec = self.config.speculative
+        if spec is None or request.mm is not None or request.grammar is not None \
+                or request.params.reasoning_max_tokens is not None:
+            return None
+        return NgramDrafter(spec)
 
     def make_requests(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, first_index: int,
                       start: float, enable_thinking: bool = True, mm: MultimodalInputs | None = None,
@@ -271,28 +295,36 @@ class LLMEngine:
                 processor.add_prompt_logprobs(request, position, top)
             except Exception as e:  # noqa: BLE001 - fails this request only (see _fail_request)
                 self._fail_request(request, e, "prompt logprobs")
+        emitted_rows = _emitted_rows(step)
         for j, top in zip(step.model_input.logprob_rows.tolist(), output.logprobs):
-            request = step.samplers[j]
+            request = step.rows[j]
+            if emitted_rows is not None and j not in emitted_rows:
+                continue  # a draft's row past the first rejected one: its token was never emitted
             request.cumulative_logprob += top.target_logprob
             if request.params.logprobs is not None and request.error_code < 500:
                 try:
                     processor.add_logprobs(request, tokens[j], top)
                 except Exception as e:  # noqa: BLE001
                     self._fail_request(request, e, "logprobs")
-        for request, token in zip(step.samplers, tokens):
-            if request.error_code >= 500:
-                continue
-            try:
-                events = processor.on_token(request, token)
-            except Exception as e:  # noqa: BLE001 - detokenizer, stop strings, reasoning
-                self._fail_request(request, e, "decoding")
-                continue
-            if events.stop_string is not None:
-                self.scheduler.finish_request(request, "stop", events.stop_string)
-            if events.forced_tokens:
-                request.forced_tokens = events.forced_tokens
-            if events.thinking_over:
-                thinking_over.append(request)
+        for request, emitted in zip(step.samplers, step.emitted):
+            for i, token in enumerate(emitted):
+                if request.error_code >= 500:
+                    break
+                try:
+                    events = processor.on_token(request, token)
+                except Exception as e:  # noqa: BLE001 - detokenizer, stop strings, reasoning
+                    self._fail_request(request, e, "decoding")
+                    break
+                if events.stop_string is not None:
+                    self.scheduler.finish_request(request, "stop", events.stop_string)
+                if events.forced_tokens:
+                    request.forced_tokens = events.forced_tokens
+                if events.thinking_over:
+                    thinking_over.append(request)
+                if events.stop_string is not None or events.forced_tokens:
+                    # Tokens a draft brought past a stop string or the end of thinking were never produced.
+                    self.scheduler.take_back(request, len(emitted) - i - 1)
+                    break
         return thinking_over
 
     def _fail_request(self, request: Request, error: BaseException, stage: str) -> None:

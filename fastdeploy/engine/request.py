@@ -10,6 +10,7 @@ import numpy as np
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.speculative import NgramDrafter
 from fastdeploy.guided.matcher import GrammarState
 from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import placeholder_error
 from fastdeploy.model_executor.multimodal import MultimodalInputs
@@ -61,6 +62,11 @@ class Request:
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     grammar: GrammarState | None = None  # guided decoding: the matcher of its constraint
     cumulative_logprob: float = 0.0  # sum of its sampled tokens' logprobs; kept only for best_of ranking
+    # Speculative decoding: this step's drafts (set by the scheduler, verified by the step), the request's n-gram
+    # index, and the uniforms drawn for output positions not yet emitted (see `uniform`).
+    draft_token_ids: list[int] = field(default_factory=list)
+    drafter: NgramDrafter | None = None
+    pending_uniforms: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -95,6 +101,21 @@ class Request:
         """Fewer outputs than min_tokens: EOS and stop ids are banned from the next token, and do not
         stop the request if they come anyway (e.g. forced)."""
         return self.num_output_tokens < self.params.min_tokens
+
+    def uniform(self, offset: int) -> float:
+        """The uniform the sampler inverts at output position num_output_tokens + offset: the generator's draws
+        in position order, so a position's draw does not depend on how many tokens a step tried (speculation
+        samples several positions at once and emits only some; the rest are drawn again for the same uniforms).
+        `emitted` consumes them."""
+        pending = self.pending_uniforms
+        while len(pending) <= offset:
+            pending.append(self.generator.random())
+        return pending[offset]
+
+    def emitted(self, count: int) -> None:
+        """`count` output positions were filled: their uniforms are used."""
+        if self.pending_uniforms:
+            del self.pending_uniforms[:count]
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -61,6 +61,8 @@ class Scheduler:
             if budget == 0:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 1 and request.drafter is not None and budget > 1:
+                num_new += self._draft(request, budget - 1)
             while not self.block_manager.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -108,23 +110,66 @@ class Scheduler:
             self._steady.keep(step)
         return step
 
+    def _draft(self, request: Request, room: int) -> int:
+        """Give a decoding request its drafts for this step (at most `room` tokens, and never more than its
+        max_tokens leaves after the token it samples anyway); how many."""
+        limit = min(room, request.max_tokens - request.num_output_tokens - 1, request.drafter.k)
+        drafts = request.drafter.propose(request.token_ids, limit) if limit > 0 else []
+        if drafts and self.block_manager.free_after(request, 1 + len(drafts)) < 0:
+            drafts = []  # drafts never push a request out of the cache
+        request.draft_token_ids = drafts
+        return len(drafts)
+
     def update_from_output(self, step: ScheduledStep, output: ModelRunnerOutput) -> list[Request]:
-        """Apply a step's result; return the requests that got a new token (some now finished)."""
+        """Apply a step's result; return the requests that got a new token (some now finished). A drafting
+        request emits its sampled tokens up to the first that differs from its draft (speculative.py); only
+        the K/V of what it emitted counts as computed. `step.emitted` gets each sampler's tokens."""
         for request, n in zip(step.requests, step.num_new_tokens):
-            request.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(request)
+            if not request.draft_token_ids:
+                request.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(request)
         now = time.time()
-        for request, token in zip(step.samplers, output.sampled_token_ids):
-            request.token_ids.append(token)
+        tokens = output.sampled_token_ids
+        row = 0
+        step.emitted = []
+        for request in step.samplers:
+            drafts = request.draft_token_ids
+            emitted = []
+            for j in range(1 + len(drafts)):
+                token = tokens[row + j]
+                emitted.append(token)
+                request.token_ids.append(token)
+                if request.forced_tokens:
+                    request.forced_tokens.pop(0)  # the runner emitted it instead of a sample
+                self._check_stop(request, token)
+                if request.is_finished or j == len(drafts) or token != drafts[j]:
+                    break
+            row += 1 + len(drafts)
+            request.emitted(len(emitted))
+            if drafts:
+                accepted = sum(t == d for t, d in zip(emitted, drafts))
+                request.drafter.verified(len(drafts), accepted)
+                request.metrics.num_draft_tokens += len(drafts)
+                request.metrics.num_accepted_tokens += accepted
+                request.draft_token_ids = []
+                if not request.is_finished:  # the last token and the accepted drafts went through the model
+                    request.num_computed_tokens += len(emitted)
+                    self.block_manager.cache_full_blocks(request)
+                    self.block_manager.trim(request)
             m = request.metrics  # FastDeploy's meanings: durations up to this (the latest) output token
             if m.first_token_time is None:
                 m.first_token_time = now - m.inference_start_time
             m.model_forward_time = now - m.inference_start_time
             m.model_execute_time = now - m.arrival_time
-            if request.forced_tokens:
-                request.forced_tokens.pop(0)  # the runner emitted it instead of a sample
-            self._check_stop(request, token)
+            step.emitted.append(emitted)
         return step.samplers
+
+    def take_back(self, request: Request, count: int) -> None:
+        """Drop the last `count` emitted tokens of a request that a stop string finished: a step's drafts took
+        it past the stop (speculation is off for requests with a reasoning limit, the other cut)."""
+        if count:
+            del request.token_ids[-count:]
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
 
     def _check_stop(self, request: Request, token: int) -> None:
         if not request.below_min_tokens and (
@@ -148,6 +193,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._steady.forget()
+        request.draft_token_ids = []
         self.running.remove(request)
         self.block_manager.release(request.request_id)
         request.num_computed_tokens = 0

@@ -20,7 +20,7 @@ the tensor-parallel workers get copies.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,16 +43,27 @@ class ScheduledStep:
     samplers: list[Request]
     prompt_rows: list[tuple[Request, int]]  # (request, prompt position) per prompt-logprob row
     model_input: SchedulerOutput
+    rows: list[Request]  # the request of each sampling row: the samplers, a drafting one once per position
+    emitted: list[list[int]] = field(default_factory=list)  # per sampler, its tokens (set by update_from_output)
 
 
-def sampling_batch(requests: list[Request]) -> SamplingBatch:
-    """The sampling rows of `requests`: sampling/policy.py builds them from each request's parameters,
-    prompt and output ids, bans and generator (its docstring says what is decided there)."""
-    outputs = [r.output_token_ids for r in requests]
-    banned = [sampling_policy.banned_tokens(output, r.bad_words, r.below_min_tokens, r.eos_token_ids,
-                                          r.params.stop_token_ids) for r, output in zip(requests, outputs)]
+def sampling_batch(requests: list[Request], offsets: list[int] | None = None) -> SamplingBatch:
+    """The sampling rows of `requests` (one per row; a drafting request has one per draft after its first):
+    sampling/policy.py builds them from each request's parameters, prompt and output ids, bans and uniforms
+    (its docstring says what is decided there). A row `offsets[i]` positions past its request's output sees
+    the drafts before it as output: penalties and bad words count them, min_tokens bans by its position, and
+    it has that position's uniform."""
+    if offsets is None or not any(offsets):
+        outputs = [r.output_token_ids for r in requests]
+        below = [r.below_min_tokens for r in requests]
+        offsets = [0] * len(requests)
+    else:
+        outputs = [r.output_token_ids + r.draft_token_ids[:j] for r, j in zip(requests, offsets)]
+        below = [r.num_output_tokens + j < r.params.min_tokens for r, j in zip(requests, offsets)]
+    banned = [sampling_policy.banned_tokens(output, r.bad_words, b, r.eos_token_ids, r.params.stop_token_ids)
+              for r, output, b in zip(requests, outputs, below)]
     return sampling_policy.sampling_batch([r.params for r in requests], [r.prompt_token_ids for r in requests],
-                                        outputs, banned, [r.generator for r in requests])
+                                          outputs, banned, lambda i: requests[i].uniform(offsets[i]))
 
 
 _NONE_I64 = np.zeros(0, dtype=np.int64)
@@ -85,45 +96,60 @@ def build_step(requests: list[Request], counts: list[int], block_manager: BlockM
     ids: list[int] = []
     positions: list[int] = []
     context_lens: list[int] = []
+    drafting = False
     for request, n in zip(requests, counts):
         begin = request.num_computed_tokens
-        ids.extend(request.token_ids[begin:begin + n])
+        drafts = request.draft_token_ids
+        if drafts:  # its last token, then the drafts to verify
+            drafting = True
+            ids.extend(request.token_ids[begin:])
+            ids.extend(drafts)
+        else:
+            ids.extend(request.token_ids[begin:begin + n])
         positions.extend(range(begin, begin + n))
         context_lens.append(begin + n)
-    # Rows that finish their known tokens this step produce the next token; prompt rows of requests
-    # asking for prompt_logprobs get logits too.
+    # Rows that finish their known tokens this step produce the next token (a drafting request one per draft
+    # too); prompt rows of requests asking for prompt_logprobs get logits too.
     starts = list(itertools.accumulate(counts, initial=0))
-    sampling = [i for i, (r, c) in enumerate(zip(requests, context_lens)) if c == r.num_tokens]
+    sampling = [i for i, (r, c) in enumerate(zip(requests, context_lens))
+                if c == r.num_tokens + len(r.draft_token_ids)]
     samplers = [requests[i] for i in sampling]
+    if drafting:
+        rows = [requests[i] for i in sampling for _ in range(1 + len(requests[i].draft_token_ids))]
+        offsets = [j for i in sampling for j in range(1 + len(requests[i].draft_token_ids))]
+        logit_rows = [starts[i + 1] - 1 - len(requests[i].draft_token_ids) + j
+                      for i in sampling for j in range(1 + len(requests[i].draft_token_ids))]
+    else:
+        rows, offsets, logit_rows = samplers, None, [starts[i + 1] - 1 for i in sampling]
     prompt_rows = [(r, p, starts[i] + p - r.num_computed_tokens)
                    for i, r in enumerate(requests) if r.wants_prompt_logprobs
                    for p in range(r.num_computed_tokens, min(context_lens[i], r.num_prompt_tokens - 1))]
     forward = ForwardBatch(
         _int64(ids), _int64(positions), np.asarray(counts, dtype=np.int64), np.asarray(context_lens, dtype=np.int64),
         block_manager.table_array([r.request_id for r in requests]),
-        _int64([starts[i + 1] - 1 for i in sampling] + [row for _, _, row in prompt_rows]))
+        _int64(logit_rows + [row for _, _, row in prompt_rows]))
     if any(r.mm is not None for r in requests):
         add_multimodal(forward, requests, counts)
-    bias = [(j, t, v) for j, r in enumerate(samplers) for t, v in r.params.logit_bias.items()]
+    bias = [(j, t, v) for j, r in enumerate(rows) for t, v in r.params.logit_bias.items()]
     # Rows that want their token's logprob: asked for logprobs, or ranked as best_of candidates.
-    logprob_rows = [j for j, r in enumerate(samplers) if r.params.logprobs is not None or r.params.ranks_candidates]
+    logprob_rows = [j for j, r in enumerate(rows) if r.params.logprobs is not None or r.params.ranks_candidates]
     model_input = SchedulerOutput(
         forward=forward,
-        sampling=sampling_batch(samplers),
-        forced_token_ids=_int64([r.forced_tokens[0] if r.forced_tokens else -1 for r in samplers]
+        sampling=sampling_batch(rows, offsets),
+        forced_token_ids=_int64([r.forced_tokens[0] if r.forced_tokens else -1 for r in rows]
                                 if any(r.forced_tokens for r in samplers) else []),
         bias_rows=_int64([j for j, _, _ in bias]),
         bias_token_ids=_int64([t for _, t, _ in bias]),
         bias_values=np.asarray([v for _, _, v in bias], dtype=np.float32) if bias else _NONE_F32,
         logprob_rows=_int64(logprob_rows),
-        logprob_k=_int64([samplers[j].params.logprobs or 0 for j in logprob_rows]),
+        logprob_k=_int64([rows[j].params.logprobs or 0 for j in logprob_rows]),
         prompt_logprob_k=_int64([r.params.prompt_logprobs for r, _, _ in prompt_rows]),
         prompt_logprob_targets=_int64([r.prompt_token_ids[p + 1] for r, p, _ in prompt_rows]))
-    if any(samplers[j].params.temp_scaled_logprobs or samplers[j].params.top_p_normalized_logprobs
-           for j in logprob_rows):
+    if any(rows[j].params.temp_scaled_logprobs or rows[j].params.top_p_normalized_logprobs for j in logprob_rows):
         model_input.logprob_temperature, model_input.logprob_top_p = sampling_policy.logprob_transforms(
-            [samplers[j].params for j in logprob_rows])
-    return ScheduledStep(list(requests), list(counts), samplers, [(r, p) for r, p, _ in prompt_rows], model_input)
+            [rows[j].params for j in logprob_rows])
+    return ScheduledStep(list(requests), list(counts), samplers, [(r, p) for r, p, _ in prompt_rows], model_input,
+                         list(rows))
 
 
 def plain_decoder(request: Request) -> bool:
@@ -194,6 +220,6 @@ class SteadyDecode:
                 else:
                     self._tables[i * width + index] = block_manager.block_table(request.request_id)[index]
         for i in self.sampled_rows:
-            self._uniforms[i] = requests[i].generator.random()
+            self._uniforms[i] = requests[i].uniform(0)
         step.model_input.sampling.output_token_ids = [r.output_token_ids for r in requests]
         return step

@@ -9,7 +9,7 @@ forward call while the logits are in cache; when not, sampler.py's SamplingStage
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -55,17 +55,17 @@ _POLICY_COLUMNS = (("temperature", np.float32), ("top_p", np.float32), ("top_k",
 
 def sampling_batch(params: Sequence[RowPolicy], prompt_token_ids: list[Sequence[int]],
                    output_token_ids: list[Sequence[int]], banned_token_ids: list[list[int]],
-                   generators: Sequence[np.random.Generator]) -> SamplingBatch:
+                   uniform: Callable[[int], float]) -> SamplingBatch:
     """The sampling rows, one per entry of each argument, with which rows are greedy and, where that is known
     here, whether their logits are untouched (nothing banned or penalised) and the step plain greedy. Each
-    sampled (non-greedy) row draws its uniform from its own generator, so a seeded request's tokens never
-    depend on the batch."""
+    sampled (non-greedy) row i gets its uniform from `uniform(i)` (its request's own draws), so a seeded
+    request's tokens never depend on the batch."""
     columns = {name: np.array([getattr(p, name) for p in params], dtype=dtype) for name, dtype in _POLICY_COLUMNS}
     greedy = greedy_rows(columns["temperature"], columns["top_p"], columns["top_k"])
     uniforms = np.zeros(len(params), dtype=np.float64)
     sampled_rows = np.flatnonzero(~greedy).tolist()
     for i in sampled_rows:
-        uniforms[i] = generators[i].random()
+        uniforms[i] = uniform(i)
     # Without penalties the answers are known here; with them they depend on each row's history.
     penalized = any(p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params)
     untouched = None if penalized else not any(banned_token_ids)

@@ -1,0 +1,115 @@
+"""Speculative decoding (ngram) against plain decoding: output tok/s and the drafts' acceptance, same run.
+
+    .venv/bin/python benchmarks/speculative.py                                  # the demo model, 1/16/64 streams
+    .venv/bin/python benchmarks/speculative.py --model PATH --quantization wint4 --streams 1 --json out.json
+
+Workloads, all greedy with a fixed number of output tokens (no EOS):
+  copy   prompts whose answer repeats their context: a passage of real prose (paragraphs of this repository's
+         docs/*.md) followed by its first words again, so a model that continues the text copies it
+  fresh  random token ids: nothing in the context to copy (what speculation costs when it cannot help)
+Each (workload, streams) pair runs plain and with speculative_config alternately, --repeats times each, on one
+LLM per setting; the best of each is reported with the ratio and the accepted share of the drafts. Prints the
+kernels' ISA: compare figures only between runs on the same kind of machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fastdeploy import LLM, SamplingParams  # noqa: E402
+from fastdeploy.ops.build import runtime_info  # noqa: E402
+
+
+def passages(min_chars: int = 300) -> list[str]:
+    """Paragraphs of prose from docs/*.md (no tables, code or headings), longest first."""
+    found = []
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        for block in re.split(r"\n\s*\n", path.read_text()):
+            if len(block) >= min_chars and not re.match(r"\s*([|#`-]|\d+\.)", block):
+                found.append(" ".join(block.split()))
+    return sorted(found, key=len, reverse=True)
+
+
+def prompts(workload: str, n: int, seed: int, vocab: int) -> list[dict | str]:
+    if workload == "copy":
+        texts = passages()
+        return [f"{t}\n\n{' '.join(t.split()[:8])}" for t in (texts[i % len(texts)] for i in range(n))]
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(3, vocab, size=128).tolist()} for _ in range(n)]
+
+
+def run(llm: LLM, batch: list, max_tokens: int) -> tuple[float, int, int]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs.token_ids) for o in outputs)
+    return tokens / seconds, sum(o.metrics.num_draft_tokens for o in outputs), \
+        sum(o.metrics.num_accepted_tokens for o in outputs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "ernie-4.5-demo"))
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--streams", default="1,16,64")
+    parser.add_argument("--workloads", default="copy,fresh")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="append the results here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+    streams = [int(s) for s in args.streams.split(",")]
+    common = dict(model=args.model, quantization=args.quantization, max_model_len=args.max_model_len,
+                  max_num_seqs=max(streams))
+    llms = {"plain": LLM(**common), "ngram": LLM(**common, speculative_config=spec)}
+    vocab = llms["plain"].engine.vocab_size
+    rt = runtime_info()
+    print(f"kernels {rt['active_isa']} of {rt['detected_isa']}, {rt['num_threads']} threads; model {args.model} "
+          f"({args.quantization or 'as stored'}); {args.max_tokens} output tokens; speculative_config {spec}")
+    rows = []
+    cases = [(w, s) for w in args.workloads.split(",") for s in streams]
+    with tqdm(total=len(cases) * args.repeats * 2, desc="runs") as bar:
+        for workload, n in cases:
+            batch = prompts(workload, n, seed=n, vocab=vocab)
+            for llm in llms.values():  # warm-up
+                run(llm, batch[:1], 8)
+            best = {"plain": 0.0, "ngram": 0.0}
+            drafted = accepted = 0
+            for _ in range(args.repeats):
+                for name, llm in llms.items():
+                    rate, d, a = run(llm, batch, args.max_tokens)
+                    best[name] = max(best[name], rate)
+                    if name == "ngram":
+                        drafted, accepted = d, a
+                    bar.update()
+            rows.append(dict(workload=workload, streams=n, plain=best["plain"], ngram=best["ngram"],
+                             drafted=drafted, accepted=accepted, isa=rt["active_isa"], model=args.model,
+                             quantization=args.quantization))
+    print("| workload | streams | plain tok/s | ngram tok/s | ratio | drafts accepted |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        share = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "no drafts"
+        print(f"| {r['workload']} | {r['streams']} | {r['plain']:.1f} | {r['ngram']:.1f} | "
+              f"{r['ngram'] / r['plain']:.2f}x | {share} |")
+    if args.json:
+        with args.json.open("a") as f:
+            f.write(json.dumps(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

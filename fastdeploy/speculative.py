@@ -1,0 +1,119 @@
+"""Speculative decoding: the engine drafts a request's next tokens and the same step verifies them.
+
+Drafting, "ngram" (prompt lookup; FastDeploy's `ngram` / `ngram_match`, vLLM's `ngram`): the last n tokens of
+a request's context, n from max_ngram_size down to min_ngram_size, are looked up among its earlier tokens, and
+the tokens that followed their most recent earlier occurrence are the draft. `NgramDrafter` keeps each
+request's index of where every n-gram last ended, so a lookup costs one dict probe per n whatever the length.
+
+Verifying is exact. The scheduler gives a drafting request 1 + k new tokens (its last token and the k drafts);
+the step builder makes each of those k + 1 positions a sampling row with the policy the row would have had if
+the drafts before it were the output (penalties and bad words over them, min_tokens bans by position, the
+uniform of that output position); the step samples every row as usual, and the request emits the sampled
+tokens up to and including the first that differs from its draft. A draft is one token (a point mass), so
+sampling the model's distribution and accepting on equality is speculative sampling's rule: the draft is
+kept with probability p(draft), otherwise the token comes from p without it. As each output position's
+uniform is fixed by the request's generator (Request.uniform), the tokens are the same as without
+speculation, greedy or sampled, with bit-identical logits.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = {"ngram": "ngram", "ngram_match": "ngram"}  # FastDeploy's docs / config names, vLLM's
+MAX_SPECULATIVE_TOKENS = 16
+# FastDeploy's keys this engine takes only at their defaults (MTP, draft models and their options).
+_DEFAULTS_ONLY: dict[str, Any] = {"model": None, "quantization": None, "num_model_steps": 1,
+                                  "mtp_strategy": "default", "benchmark_mode": False}
+_ALIASES = {"prompt_lookup_max": "max_ngram_size", "prompt_lookup_min": "min_ngram_size"}  # vLLM's names
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """`speculative_config` checked: FastDeploy's dict (or vLLM's ngram keys)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    max_ngram_size: int = 5  # FastDeploy's defaults
+    min_ngram_size: int = 2
+
+    @classmethod
+    def from_dict(cls, given: Mapping[str, Any]) -> SpeculativeConfig:
+        if not isinstance(given, Mapping):
+            raise TypeError(f"speculative_config must be a dict, got {type(given).__name__}")
+        values = {_ALIASES.get(k, k): v for k, v in given.items()}
+        method = values.pop("method", None)
+        if method == "mtp":
+            raise NotImplementedError("speculative_config method 'mtp' is not implemented yet; use 'ngram'")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {sorted(METHODS)}, got {method!r}")
+        for key, default in _DEFAULTS_ONLY.items():
+            if key in values and values.pop(key) != default:
+                raise NotImplementedError(f"speculative_config {key} is only supported at {default!r} (ngram drafts)")
+        known = {"num_speculative_tokens", "max_ngram_size", "min_ngram_size"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: method, "
+                             f"{', '.join(sorted(known | set(_ALIASES) | set(_DEFAULTS_ONLY)))}")
+        config = cls(METHODS[method], **values)
+        for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS), ("max_ngram_size", 1, 64),
+                                ("min_ngram_size", 1, config.max_ngram_size)):
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"speculative_config {name} must be an integer in [{low}, {high}], got {value!r}")
+        return config
+
+
+class NgramDrafter:
+    """One request's drafting state: its n-gram index (for every n-gram of min..max tokens of its context but
+    those ending at the last token, which are the ones looked up, the end of its most recent occurrence) and
+    an exponential average of the accepted share of its drafts, which the scheduler weighs against what a
+    draft costs (`draft_length`)."""
+
+    __slots__ = ("min_n", "max_n", "k", "ends", "indexed", "accepted")
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n, self.k = config.min_ngram_size, config.max_ngram_size, config.num_speculative_tokens
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in `ends`
+        self.accepted = 1.0
+
+    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the most recent earlier occurrence of the context's longest
+        matching suffix; [] when none of its last max..min tokens occurred before."""
+        last = len(tokens) - 1
+        ends = self.ends
+        for end in range(self.indexed, last):  # index the n-grams ending at positions indexed..last-1
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                ends[tuple(tokens[end + 1 - n:end + 1])] = end + 1
+        self.indexed = max(self.indexed, last)
+        for n in range(min(self.max_n, last), self.min_n - 1, -1):
+            start = ends.get(tuple(tokens[len(tokens) - n:]))
+            if start is not None:
+                return list(tokens[start:start + limit])
+        return []
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.accepted = 0.5 * self.accepted + 0.5 * accepted / drafted
+
+    def skipped(self) -> None:
+        """A step without drafts because they did not pay: the estimate drifts back up, so a request whose
+        output starts repeating its context is tried again."""
+        self.accepted += PROBE_DRIFT * (1.0 - self.accepted)
+
+
+# How fast a request that stopped drafting is tried again: about every 1 / PROBE_DRIFT of its steps.
+PROBE_DRIFT = 0.05
+
+
+def draft_length(k: int, accepted: float, step_seconds: float, token_seconds: float) -> int:
+    """Drafts worth verifying for a request whose drafts are accepted at rate `accepted`, in a step that emits
+    one token per stream every `step_seconds` per stream, each verified position costing `token_seconds`: the
+    j-th draft is emitted only if the ones before it were accepted (about accepted^j), and then saves a
+    stream's step. On a CPU at one stream the step is the weights' streaming and a position costs little, so
+    all k pay; a large compute-bound batch drafts only what is nearly always right."""
+    n = 0
+    while n < k and accepted ** (n + 1) * step_seconds > token_seconds:
+        n += 1
+    return n

@@ -1,0 +1,218 @@
+"""Speculative decoding (issue 44): ngram drafts, verified in the same step, change nothing but the speed.
+
+The reference is the same LLM without speculative_config: every request's tokens must be the same, greedy or
+sampled (a seeded request's output position always inverts the same uniform), while drafts were accepted.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.speculative import NgramDrafter, SpeculativeConfig, draft_length
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "max_ngram_size": 3, "min_ngram_size": 1}
+
+
+def naive_proposal(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The rule written out: the longest suffix of max..min tokens that occurred before (ending before the
+    last token), its most recent such occurrence, and up to k tokens after it."""
+    last = len(tokens) - 1
+    for n in range(min(max_n, last), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for end in range(last, n - 1, -1):
+            if tokens[end - n:end] == suffix:
+                return tokens[end:end + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_drafter_proposes_what_the_rule_says_as_tokens_arrive(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5,
+                                          "max_ngram_size": int(rng.integers(1, 5)), "min_ngram_size": 1})
+    drafter = NgramDrafter(config)
+    tokens = rng.integers(0, 6, size=int(rng.integers(1, 30))).tolist()
+    proposed = 0
+    for _ in range(80):
+        expected = naive_proposal(tokens, 5, config.min_ngram_size, config.max_ngram_size)
+        assert drafter.propose(tokens, 5) == expected, tokens
+        proposed += bool(expected)
+        tokens += rng.integers(0, 6, size=int(rng.integers(1, 4))).tolist()  # a step emits 1..3 tokens
+    assert proposed > 40
+
+
+def test_draft_length_weighs_acceptance_against_cost() -> None:
+    assert draft_length(4, 1.0, step_seconds=1.0, token_seconds=0.1) == 4  # one stream: the weights dominate
+    assert draft_length(4, 0.5, step_seconds=1.0, token_seconds=0.1) == 3  # 0.5^4 = 0.0625 < 0.1
+    assert draft_length(4, 0.9, step_seconds=0.01, token_seconds=0.1) == 0  # compute-bound: nothing pays
+    drafter = NgramDrafter(SpeculativeConfig())
+    for _ in range(6):
+        drafter.verified(4, 0)
+    assert drafter.accepted < 0.02
+    for _ in range(40):
+        drafter.skipped()
+    assert 0.8 < drafter.accepted < 1.0  # tried again after a while
+
+
+@pytest.mark.parametrize("given, error, match", [
+    ({"method": "mtp", "num_speculative_tokens": 1}, NotImplementedError, "mtp"),
+    ({"method": "eagle"}, ValueError, "method must be one of"),
+    ({"num_speculative_tokens": 2}, ValueError, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5}, ValueError, "num_speculative_tokens"),
+    ({"method": "ngram", "min_ngram_size": 4, "max_ngram_size": 3}, ValueError, "min_ngram_size"),
+    ({"method": "ngram", "lookahead": 3}, ValueError, "unknown keys"),
+    ({"method": "ngram", "model": "/somewhere"}, NotImplementedError, "model"),
+    ("ngram", TypeError, "must be a dict"),
+])
+def test_bad_speculative_config_is_refused(given, error, match) -> None:
+    with pytest.raises(error, match=match):
+        SpeculativeConfig.from_dict(given)
+
+
+def test_fastdeploy_and_vllm_spellings() -> None:
+    assert SpeculativeConfig.from_dict({"method": "ngram_match", "num_speculative_tokens": 3}) == \
+        SpeculativeConfig("ngram", 3, 5, 2)
+    assert SpeculativeConfig.from_dict({"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 3}) == \
+        SpeculativeConfig("ngram", 4, 4, 3)
+
+
+def repeating_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a span of themselves, so the context has something to copy."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(n):
+        span = rng.integers(3, 1000, size=int(rng.integers(4, 12))).tolist()
+        prompts.append(rng.integers(3, 1000, size=int(rng.integers(1, 20))).tolist() + span * 3 + span[:2])
+    return prompts
+
+
+def generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.error_code for o in outputs] == [200] * len(outputs), [o.error_msg for o in outputs]
+    return outputs
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Greedy and seeded sampled requests, penalties, min_tokens, bad words, stop ids and different lengths."""
+    kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=7), dict(temperature=1.0, top_k=20, seed=3),
+             dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.2), dict(temperature=0, min_tokens=9),
+             dict(temperature=0.7, presence_penalty=0.5, seed=11), dict(temperature=0, bad_words_token_ids=[5, 6])]
+    return [SamplingParams(max_tokens=8 + 3 * (i % 5), **kinds[i % len(kinds)]) for i in range(n)]
+
+
+class OracleDrafter:
+    """Drafts a request's true continuation (the run without speculation) with some tokens changed: the
+    verification must keep exactly the right ones, whatever the drafts."""
+
+    accepted = 1.0  # always worth drafting
+
+    def __init__(self, expected: list, rng: np.random.Generator) -> None:
+        self.reference = [o.prompt_token_ids + o.outputs.token_ids for o in expected]
+        self.rng = rng
+
+    def __call__(self, config):  # the engine's NgramDrafter(config)
+        return self
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        # The continuation of a run that so far agrees (n > 1 samples of a prompt differ), else none.
+        full = next((f for f in self.reference if f[:len(tokens)] == list(tokens)), [])
+        drafts = full[len(tokens):len(tokens) + min(limit, int(self.rng.integers(1, 6)))]
+        return [t if self.rng.random() < 0.8 else int(self.rng.integers(3, 1000)) for t in drafts]
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def skipped(self) -> None:
+        pass
+
+
+def model_path(name: str) -> str:
+    from tests.conftest import FIXTURES
+
+    return str(FIXTURES / "models" / name)
+
+
+@pytest.mark.parametrize("model, quantization", [("ernie45_tiny_hf", None), ("ernie45_moe_tiny_hf", None),
+                                                 ("qwen3_tiny", None), ("ernie45_tiny_hf", "wint4")])
+def test_verification_keeps_exactly_the_tokens_without_speculation(model, quantization, monkeypatch) -> None:
+    prompts = repeating_prompts(12, seed=len(model))
+    params = mixed_params(len(prompts))
+    base = dict(model=model_path(model), block_size=16, max_num_seqs=8, quantization=quantization)
+    expected = generate(LLM(**base), prompts, params)
+    monkeypatch.setattr("fastdeploy.engine.engine.NgramDrafter", OracleDrafter(expected, np.random.default_rng(0)))
+    got = generate(LLM(**base, speculative_config=NGRAM), prompts, params)
+    assert [o.outputs.token_ids for o in got] == [o.outputs.token_ids for o in expected]
+    assert [o.outputs.text for o in got] == [o.outputs.text for o in expected]
+    assert [o.outputs.finish_reason for o in got] == [o.outputs.finish_reason for o in expected]
+    drafted = sum(o.metrics.num_draft_tokens for o in got)
+    accepted = sum(o.metrics.num_accepted_tokens for o in got)
+    assert 0.4 * drafted < accepted < drafted, (accepted, drafted)  # rejections happened, and acceptances
+
+
+def oracle_run(monkeypatch, prompts, params, **engine):
+    """The outputs without and with speculation (drafts from the run without) under the same engine settings."""
+    expected = generate(LLM(**engine), prompts, params)
+    monkeypatch.setattr("fastdeploy.engine.engine.NgramDrafter", OracleDrafter(expected, np.random.default_rng(1)))
+    llm = LLM(**engine, speculative_config=NGRAM)
+    return expected, generate(llm, prompts, params), llm
+
+
+def test_with_logprobs_stop_strings_bias_samples_preemption_and_chunks(monkeypatch) -> None:
+    """A small KV pool (requests preempted and recomputed), chunked prefill with a small budget, prefix caching
+    with n=2 samples of a prompt, logprobs and prompt logprobs, a stop string inside what a step's drafts
+    bring, logit bias: the same outputs, logprobs included."""
+    prompts = repeating_prompts(8, seed=5)
+    engine = dict(model=model_path("ernie45_tiny_hf"), block_size=16, max_num_seqs=6, enable_chunked_prefill=True,
+                  max_num_batched_tokens=24, num_gpu_blocks_override=9, kv_cache_ratio=1.0,
+                  enable_prefix_caching=True)
+    plain = generate(LLM(**engine), prompts, [SamplingParams(temperature=0, max_tokens=20)] * len(prompts))
+    stops = [o.outputs.text[len(o.outputs.text) // 2:][:3] or None for o in plain]  # a cut half-way, often
+    params = [SamplingParams(max_tokens=20, temperature=0.9 if i % 2 else 0, seed=i, n=2 if i % 3 == 0 else 1,
+                             logprobs=2 if i % 4 == 1 else None, prompt_logprobs=1 if i == 2 else None,
+                             stop=[stops[i]] if stops[i] and i % 2 == 0 else None,
+                             logits_processors_args={"logit_bias": {7: 2.0}} if i == 3 else None) for i in range(len(prompts))]
+    expected, got, llm = oracle_run(monkeypatch, prompts, params, **engine)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert any(o.outputs.finish_reason == "stop" for o in expected)
+    for a, b in zip(got, expected):
+        assert a.outputs.token_ids == b.outputs.token_ids and a.outputs.text == b.outputs.text
+        assert a.outputs.finish_reason == b.outputs.finish_reason
+        assert a.outputs.logprobs == b.outputs.logprobs and a.prompt_logprobs == b.prompt_logprobs
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+
+
+def test_tensor_parallel_two_ranks(monkeypatch) -> None:
+    prompts = repeating_prompts(6, seed=9)
+    params = mixed_params(len(prompts))
+    expected, got, _ = oracle_run(monkeypatch, prompts, params, model=model_path("ernie45_moe_tiny_hf"),
+                                  tensor_parallel_size=2, block_size=16)
+    assert [o.outputs.token_ids for o in got] == [o.outputs.token_ids for o in expected]
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+
+
+def test_requests_speculation_cannot_serve_decode_as_before(monkeypatch) -> None:
+    """Guided decoding and a reasoning limit turn drafting off for that request only; the rest draft."""
+    from fastdeploy.engine.sampling_params import GuidedDecodingParams
+
+    llm = LLM(model=model_path("ernie45_tiny_hf"), block_size=16, speculative_config=NGRAM)
+    prompts = repeating_prompts(2, seed=3)
+    outputs = generate(llm, prompts, [SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[0-9]+")),
+                                      SamplingParams(max_tokens=8)])
+    assert outputs[0].metrics.num_draft_tokens == 0
+
+
+def test_ngram_drafts_on_the_demo_model_are_accepted_and_change_nothing() -> None:
+    """The real drafter on the bundled model: its Python-documentation prose repeats itself enough for
+    prompt lookup to be right often; greedy and seeded outputs are the same as without."""
+    from pathlib import Path
+
+    demo = str(Path(__file__).parents[1] / "models" / "ernie-4.5-demo")
+    prompts = ["The list type is a mutable sequence type. The list type", "class C:\n    def __init__(self, value):\n"]
+    params = [SamplingParams(temperature=0, max_tokens=60), SamplingParams(temperature=0.7, seed=2, max_tokens=60)]
+    expected = LLM(model=demo, max_model_len=512).generate(prompts * 2, params * 2, use_tqdm=False)
+    got = LLM(model=demo, max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 4}
+              ).generate(prompts * 2, params * 2, use_tqdm=False)
+    assert [o.outputs.token_ids for o in got] == [o.outputs.token_ids for o in expected]
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 10
