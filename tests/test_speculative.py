@@ -106,7 +106,7 @@ class OracleDrafter:
     """Drafts a request's true continuation (the run without speculation) with some tokens changed: the
     verification must keep exactly the right ones, whatever the drafts."""
 
-    accepted = 1.0  # always worth drafting
+    accepted, k = 1.0, 5  # always worth drafting, up to 5
 
     def __init__(self, expected: list, rng: np.random.Generator) -> None:
         self.reference = [o.prompt_token_ids + o.outputs.token_ids for o in expected]
