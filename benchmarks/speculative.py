@@ -31,13 +31,13 @@ from fastdeploy import LLM, SamplingParams  # noqa: E402
 from fastdeploy.ops.build import runtime_info  # noqa: E402
 
 
-def passages(min_chars: int = 300) -> list[str]:
-    """Paragraphs of prose from docs/*.md (no tables, code or headings), longest first."""
+def passages(min_chars: int = 300, max_chars: int = 700) -> list[str]:
+    """Paragraphs of prose from docs/*.md (no tables, code or headings), longest first, cut to max_chars."""
     found = []
     for path in sorted((ROOT / "docs").glob("*.md")):
         for block in re.split(r"\n\s*\n", path.read_text()):
             if len(block) >= min_chars and not re.match(r"\s*([|#`-]|\d+\.)", block):
-                found.append(" ".join(block.split()))
+                found.append(" ".join(block.split())[:max_chars])
     return sorted(found, key=len, reverse=True)
 
 
@@ -54,6 +54,9 @@ def run(llm: LLM, batch: list, max_tokens: int) -> tuple[float, int, int]:
     start = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    failed = [o.error_msg for o in outputs if o.error_code != 200]
+    if failed:
+        raise SystemExit(f"{len(failed)} requests failed: {failed[0]}")
     tokens = sum(len(o.outputs.token_ids) for o in outputs)
     return tokens / seconds, sum(o.metrics.num_draft_tokens for o in outputs), \
         sum(o.metrics.num_accepted_tokens for o in outputs)
