@@ -66,18 +66,15 @@ class SpeculativeConfig:
 
 
 class NgramDrafter:
-    """One request's drafting state: its n-gram index (for every n-gram of min..max tokens of its context but
-    those ending at the last token, which are the ones looked up, the end of its most recent occurrence) and
-    an exponential average of the accepted share of its drafts, which the scheduler weighs against what a
-    draft costs (`draft_length`)."""
+    """One request's n-gram index: for every n-gram of min..max tokens of its context but those ending at the
+    last token (the ones looked up), the end of its most recent occurrence."""
 
-    __slots__ = ("min_n", "max_n", "k", "ends", "indexed", "accepted")
+    __slots__ = ("min_n", "max_n", "k", "ends", "indexed")
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n, self.k = config.min_ngram_size, config.max_ngram_size, config.num_speculative_tokens
         self.ends: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in `ends`
-        self.accepted = 1.0
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` tokens that followed the most recent earlier occurrence of the context's longest
@@ -93,27 +90,3 @@ class NgramDrafter:
             if start is not None:
                 return list(tokens[start:start + limit])
         return []
-
-    def verified(self, drafted: int, accepted: int) -> None:
-        self.accepted = 0.5 * self.accepted + 0.5 * accepted / drafted
-
-    def skipped(self) -> None:
-        """A step without drafts because they did not pay: the estimate drifts back up, so a request whose
-        output starts repeating its context is tried again."""
-        self.accepted += PROBE_DRIFT * (1.0 - self.accepted)
-
-
-# How fast a request that stopped drafting is tried again: about every 1 / PROBE_DRIFT of its steps.
-PROBE_DRIFT = 0.05
-
-
-def draft_length(k: int, accepted: float, step_seconds: float, token_seconds: float) -> int:
-    """Drafts worth verifying for a request whose drafts are accepted at rate `accepted`, in a step that emits
-    one token per stream every `step_seconds` per stream, each verified position costing `token_seconds`: the
-    j-th draft is emitted only if the ones before it were accepted (about accepted^j), and then saves a
-    stream's step. On a CPU at one stream the step is the weights' streaming and a position costs little, so
-    all k pay; a large compute-bound batch drafts only what is nearly always right."""
-    n = 0
-    while n < k and accepted ** (n + 1) * step_seconds > token_seconds:
-        n += 1
-    return n

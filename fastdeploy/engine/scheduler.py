@@ -148,7 +148,6 @@ class Scheduler:
             request.emitted(len(emitted))
             if drafts:
                 accepted = sum(t == d for t, d in zip(emitted, drafts))
-                request.drafter.verified(len(drafts), accepted)
                 request.metrics.num_draft_tokens += len(drafts)
                 request.metrics.num_accepted_tokens += accepted
                 request.draft_token_ids = []
