@@ -93,12 +93,14 @@ class EngineConfig:
     gpu_memory_utilization: float = param(0.9, "share of host memory for weights, activations and KV cache")
     num_gpu_blocks_override: int | None = param(None, "exact number of KV blocks (skips the memory estimate)")
     max_num_batched_tokens: int | None = param(
-        None, "token budget of one step (default: max_model_len, or 2048 with chunked prefill)")
+        None, "token budget of one step (default: 2048 with chunked prefill, else max_model_len)")
     kv_cache_ratio: float = param(
         0.75, "share of the KV blocks new prompts may take while other requests run; the rest is kept for "
               "their outputs to grow into (1: no reserve)")
     enable_prefix_caching: bool = param(True, "reuse the KV blocks of shared prompt prefixes")
-    enable_chunked_prefill: bool = param(False, "compute a prompt longer than the step budget over several steps")
+    enable_chunked_prefill: bool = param(
+        True, "compute prompts in chunks within the step budget; while requests decode, a step keeps to about twice "
+              "a decode step's time (measured), so new prompts do not stall them")
     use_warmup: int = param(0, "1: run one full-budget forward at start-up")
     engine_worker_queue_port: int | str | list[int] | None = param(
         8002, "localhost port feeding steps to tensor-parallel workers (the next free one if taken)", cli_type=str)

@@ -47,7 +47,9 @@ def test_sampling_params_validation(kwargs, error, name):
     ({"gpu_memory_utilization": 0}, ValueError, "gpu_memory_utilization"),
     ({"num_gpu_blocks_override": 0}, ValueError, "num_gpu_blocks_override"),
     ({"kv_cache_ratio": 0}, ValueError, "kv_cache_ratio"),
-    ({"max_num_batched_tokens": 16, "max_model_len": 64}, ValueError, "max_num_batched_tokens"),
+    ({"max_num_batched_tokens": 16, "max_model_len": 64, "enable_chunked_prefill": False}, ValueError,
+     "max_num_batched_tokens"),  # without chunking a whole prompt must fit one step
+    ({"max_num_batched_tokens": 4, "max_num_seqs": 8}, ValueError, "max_num_batched_tokens"),  # a decode each
     ({"engine_worker_queue_port": 70000}, ValueError, "engine_worker_queue_port"),
     ({"limit_mm_per_prompt": {"image": -1}}, ValueError, "limit_mm_per_prompt"),
     ({"quantization": "int3"}, ValueError, "quantization"),

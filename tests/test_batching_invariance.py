@@ -3,6 +3,8 @@
 The reference is each prompt run alone, one request at a time; every other configuration must
 reproduce it token for token.
 """
+import itertools
+
 import numpy as np
 import pytest
 
@@ -89,3 +91,31 @@ def test_everything_at_once(tiny_hf, alone):
     llm, tokens = run(tiny_hf, max_num_seqs=12, num_gpu_blocks_override=30, enable_chunked_prefill=True,
                       max_num_batched_tokens=40, enable_prefix_caching=True)
     assert tokens == alone
+
+
+def test_default_chunked_prefill_cuts_prompts_beside_decoding_requests(tiny_hf, alone):
+    """The default configuration: chunked prefill, whose prompt tokens are capped while requests decode. Staggered
+    max_tokens (a greedy output cut short is the start of the whole one) finish requests at different steps, so
+    prompts are admitted, and cut, beside decoding ones."""
+    llm = LLM(model=tiny_hf, block_size=16, max_num_seqs=8)
+    scheduler = llm.engine.scheduler
+    ticks = itertools.count()
+    # Every step "takes" 1 s whatever its size: no slope is measured, so the cap is the floor (16 tokens) or as
+    # many prompt tokens as decode tokens, the same on any machine.
+    scheduler.prefill_budget.clock = lambda: float(next(ticks))
+    cut_beside_decodes = 0
+    schedule = scheduler.schedule
+
+    def watched():
+        nonlocal cut_beside_decodes
+        step = schedule()
+        if 1 in step.num_new_tokens:
+            cut_beside_decodes += sum(1 < n < r.num_tokens - r.num_computed_tokens
+                                      for r, n in zip(step.requests, step.num_new_tokens))
+        return step
+
+    scheduler.schedule = watched
+    params = [SamplingParams(temperature=0, max_tokens=1 + i % MAX_TOKENS, ignore_eos=True) for i in range(NUM_PROMPTS)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs.token_ids for o in outputs] == [t[:1 + i % MAX_TOKENS] for i, t in enumerate(alone)]
+    assert cut_beside_decodes > 10

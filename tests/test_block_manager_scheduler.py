@@ -116,7 +116,9 @@ def test_shared_block_is_not_freed_while_referenced():
 
 
 def scheduler_with(num_blocks, block_size=4, max_num_seqs=4, budget=64, chunked=False, caching=False):
-    return Scheduler(BlockManager(num_blocks, block_size, caching), max_num_seqs, budget, chunked)
+    # A clock that never moves measures no step cost, so the steps here do not depend on how fast this machine
+    # runs them (tests/test_prefill_budget.py times steps with a fake clock).
+    return Scheduler(BlockManager(num_blocks, block_size, caching), max_num_seqs, budget, chunked, clock=lambda: 0.0)
 
 
 def complete_step(sched, step):

@@ -61,6 +61,9 @@ DIFFERENT_DEFAULTS = {
     "engine_worker_queue_port": 8002,  # FastDeploy 2.0's default; None (newer FastDeploy's) is accepted too
     # FastDeploy's EngineArgs says False but its engine applies ParallelConfig.disable_any_whitespace = True.
     "guided_decoding_disable_any_whitespace": True,
+    # FastDeploy's EngineArgs says False but its create_engine_config turns chunked prefill on for a mixed
+    # (not disaggregated) deployment on CUDA without MTP, as vLLM V1 always does; on here by default too.
+    "enable_chunked_prefill": True,
 }
 OURS = {f.name: f.default for f in dataclasses.fields(EngineArgs) if f.name != "model"}
 

@@ -21,7 +21,8 @@ PARAMS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=5), dict(te
 def world(num_blocks: int, budget: int) -> tuple[Scheduler, list[Request]]:
     """A scheduler (block size 4: tables grow often) and five requests, one per kind of PARAMS."""
     scheduler = Scheduler(BlockManager(num_blocks, 4, enable_prefix_caching=False), max_num_seqs=4,
-                          max_num_batched_tokens=budget, enable_chunked_prefill=True)
+                          max_num_batched_tokens=budget, enable_chunked_prefill=True,
+                          clock=lambda: 0.0)  # every step measures 0 s: both cut prompts alike
     requests = [Request(request_id=str(i), prompt_token_ids=list(range(3 + 2 * i)),
                         params=Params(**p).with_model_defaults({}), max_tokens=30 - 3 * i,
                         eos_token_ids=frozenset({1}), generator=np.random.default_rng(i),
