@@ -106,13 +106,13 @@ class Request:
         """The uniform the sampler inverts at output position num_output_tokens + offset: the generator's draws
         in position order, so a position's draw does not depend on how many tokens a step tried (speculation
         samples several positions at once and emits only some; the rest are drawn again for the same uniforms).
-        `emitted` consumes them."""
+        `use_uniforms` consumes them."""
         pending = self.pending_uniforms
         while len(pending) <= offset:
             pending.append(self.generator.random())
         return pending[offset]
 
-    def emitted(self, count: int) -> None:
+    def use_uniforms(self, count: int) -> None:
         """`count` output positions were filled: their uniforms are used."""
         if self.pending_uniforms:
             del self.pending_uniforms[:count]

@@ -195,7 +195,7 @@ class Scheduler:
                 if request.is_finished or j == len(drafts) or token != drafts[j]:
                     break
             row += 1 + len(drafts)
-            request.emitted(len(emitted))
+            request.use_uniforms(len(emitted))
             if drafts:
                 accepted = sum(t == d for t, d in zip(emitted, drafts))
                 request.metrics.num_draft_tokens += len(drafts)

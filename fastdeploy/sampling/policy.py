@@ -2,7 +2,7 @@
 
 The engine's step builder passes each sampling row's plain values (nothing here sees a Request) and gets the
 SamplingBatch: per-row parameters, greedy rows, the uniform each sampled row drew from its own generator, bans.
-`param_table` and `token_lists` put a batch in the form the compiled sampling op (fd_sample) and the compiled
+`param_table` and `pack_token_ids` put a batch in the form the compiled sampling op (fd_sample) and the compiled
 step both read. The runner asks `sample_in_forward` whether the step's tokens may be taken inside the compiled
 forward call while the logits are in cache; when not, sampler.py's SamplingStage samples from the logits.
 """
