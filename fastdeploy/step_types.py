@@ -181,6 +181,8 @@ class ForwardBatch:
     # 2 video) and the vision rows of the chunk's placeholders, request after request.
     token_types: np.ndarray | None = None
     vision: list[VisionSlice] = field(default_factory=list)
+    # Rows whose final-normed hidden states the step hands back (MTP drafting reads them); empty: none.
+    hidden_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 @dataclass(slots=True)
