@@ -14,3 +14,5 @@ class Ernie4_5ForCausalLM(CausalLM):
     interleaved_rotary = True
     # Prefix of the decoder's tensors in Paddle checkpoints, used instead of HF's "model.".
     paddle_prefix = "ernie."
+    # The multi-token-prediction head (mtp_block.*, mtp_emb_norm, ...) is loaded only for MTP drafting.
+    ignored_checkpoint_patterns: tuple[str, ...] = (r"(^|\.)mtp_",)

@@ -77,9 +77,6 @@ def ernie_moe_mlp(config: ModelConfig, moe: ErnieMoeSettings) -> SparseMoE:
 
 
 class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
-    # Skipped checkpoint tensors: the multi-token-prediction head (ernie.mtp_block.*, mtp_emb_norm, ...).
-    ignored_checkpoint_patterns: tuple[str, ...] = (r"(^|\.)mtp_",)
-
     def __init__(self, config: ModelConfig) -> None:
         self.moe = ErnieMoeSettings.from_config(config)
         super().__init__(config)
