@@ -14,13 +14,22 @@ from tests.test_api_server import TIMEOUT_S, Server
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS, MAX_NUM_SEQS = 40, 4
 TYPES = {"counter", "gauge", "histogram"}
+SPECULATIVE = "fastdeploy:spec_decode_"  # the metrics a server has only with a speculative_config
 
 
-def documented() -> dict[str, str]:
-    """{exposed name: type} from the metrics table of docs/online_serving.md."""
+def documented(speculative: bool = False) -> dict[str, str]:
+    """{exposed name: type} from the metrics tables of docs/online_serving.md: those of every server, and with
+    `speculative` those of speculative decoding as well."""
     section = (ROOT / "docs" / "online_serving.md").read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(fastdeploy:[a-z0-9_]+)` \| (\w+) \|", section, re.M)
-    return dict(rows)
+    return {name: kind for name, kind in rows if speculative or not name.startswith(SPECULATIVE)}
+
+
+def exported_families(server: Server) -> dict[str, str]:
+    """{family: type} the server exports; prometheus_client's `_created` gauge beside each counter and histogram
+    is its own, not a metric here."""
+    types, _ = scrape(server)
+    return {name: kind for name, kind in types.items() if not name.endswith("_created")}
 
 
 def scrape(server: Server) -> tuple[dict[str, str], dict[str, float]]:
@@ -50,10 +59,11 @@ def complete(server: Server, **body) -> dict:
 def test_every_documented_metric_is_exported_with_its_type(server: Server) -> None:
     table = documented()
     assert len(table) >= 30 and set(table.values()) <= TYPES
-    types, _ = scrape(server)
-    # prometheus_client adds a `_created` gauge beside each counter and histogram: its own, not a metric here.
-    exported = {name: kind for name, kind in types.items() if not name.endswith("_created")}
+    exported = exported_families(server)
     assert exported == table
+    # Without a speculative_config the speculative metrics are not registered at all (FastDeploy's rule).
+    assert len(documented(speculative=True)) == len(table) + 4
+    assert not [name for name in exported if name.startswith(SPECULATIVE)]
 
 
 def test_values_follow_the_requests(server: Server) -> None:

@@ -1,7 +1,10 @@
 """The server's Prometheus metrics under FastDeploy's `fastdeploy:*` names and types
 (docs/online_serving.md, "Metrics"): the engine's stats after each step, each API call's requests as they are
 submitted, and each request's outputs as the engine hands them to their call. FastDeploy's metrics of a
-CPU swap tier or of prefill/decode disaggregation have no meaning here and are not exported."""
+CPU swap tier or of prefill/decode disaggregation have no meaning here and are not exported.
+
+Speculative decoding's `fastdeploy:spec_decode_*` metrics exist only on a server started with a speculative_config
+(FastDeploy registers them only when it decodes speculatively); see SpeculationMetrics."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -14,6 +17,51 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)  # tokens per second
+
+
+class SpeculationMetrics:
+    """FastDeploy's speculative-decoding metrics that this engine can give exactly, from each request's running
+    RequestMetrics.num_draft_tokens / num_accepted_tokens (every output carries the counts so far, so a stream
+    is counted as its deltas arrive, a whole output when it is handed over):
+
+    - num_draft_tokens: tokens the drafter proposed (FastDeploy counts these only for MTP, where every step
+      drafts num_speculative_tokens; an ngram lookup drafts fewer or none, and here each draft is counted);
+    - num_accepted_tokens: draft tokens the model agreed with, hence emitted;
+    - num_emitted_tokens: every output token, FastDeploy's "tokens output by the entire system" (a verify step
+      emits its accepted drafts and the model's own next token);
+    - draft_acceptance_rate: accepted / drafted since the start, FastDeploy's MTP definition (its ngram path
+      divides by emitted tokens for want of a draft count, which this engine has).
+
+    Not exported: spec_decode_efficiency (emitted / (steps x (k + 1))) and
+    spec_decode_draft_single_head_acceptance_rate_<j> (of the steps that reached draft position j, the share
+    that accepted it): the engine keeps no count of a request's steps nor of drafts by position."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.draft_tokens = Counter("fastdeploy:spec_decode_num_draft_tokens",
+                                    "Tokens proposed by the drafter (speculative decoding)", registry=registry)
+        self.accepted_tokens = Counter("fastdeploy:spec_decode_num_accepted_tokens",
+                                       "Draft tokens accepted by the model", registry=registry)
+        self.emitted_tokens = Counter("fastdeploy:spec_decode_num_emitted_tokens",
+                                      "Output tokens (accepted drafts and the model's own)", registry=registry)
+        self.acceptance_rate = Gauge("fastdeploy:spec_decode_draft_acceptance_rate",
+                                     "Accepted / drafted tokens since the server started", registry=registry)
+        self._drafted = self._accepted = 0
+        self._seen: dict[str, tuple[int, int]] = {}  # (drafted, accepted) so far of each streamed request
+
+    def on_output(self, output: RequestOutput) -> None:
+        seen = self._seen.pop(output.request_id, (0, 0))
+        m = output.metrics
+        counts = seen if m is None else (m.num_draft_tokens, m.num_accepted_tokens)
+        if not output.finished:
+            self._seen[output.request_id] = counts
+        drafted, accepted = counts[0] - seen[0], counts[1] - seen[1]
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
+        self.emitted_tokens.inc(len(output.outputs.token_ids))
+        self._drafted += drafted
+        self._accepted += accepted
+        if self._drafted:
+            self.acceptance_rate.set(self._accepted / self._drafted)
 
 
 class ServerMetrics:
@@ -78,6 +126,8 @@ class ServerMetrics:
                          ("block_size", "cache_dtype", "enable_prefix_caching", "kv_cache_ratio"))
             info.labels(str(config.block_size), config.kv_cache_dtype, str(config.enable_prefix_caching),
                         str(config.kv_cache_ratio)).set(1)
+        # Speculative decoding: only when configured, as FastDeploy
+        self.speculation = None if config is None or config.speculative is None else SpeculationMetrics(registry)
         self._preempted = 0
         self._finished = self._hit_requests = self._all_prompt_tokens = self._hit_tokens = 0
         self._generated: dict[str, int] = {}  # output tokens of each streamed request so far
@@ -105,7 +155,9 @@ class ServerMetrics:
 
     def on_output(self, output: RequestOutput) -> None:
         """Each output a request makes (a stream delta, or its whole output): token counts and latencies once
-        it finished."""
+        it finished; speculation counts as they come."""
+        if self.speculation is not None:
+            self.speculation.on_output(output)
         generated = self._generated.pop(output.request_id, 0) + len(output.outputs.token_ids)
         if not output.finished:
             self._generated[output.request_id] = generated
