@@ -10,7 +10,8 @@ from fastdeploy.distributed.parallel_state import check_tp_size
 from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.model_resolve import DEFAULT_REVISION, resolve_model
 from fastdeploy.model_executor.quantization import QuantConfig, parse_quantization
-from fastdeploy.speculative import SpeculativeConfig
+from fastdeploy.model_executor.checkpoint import Checkpoint
+from fastdeploy.speculative import MTP_ARCHITECTURES, MTP_LAYERS, SpeculativeConfig, checkpoint_has_mtp
 from fastdeploy.not_implemented_args import refuse_not_implemented
 from fastdeploy.reasoning.parsers import known_parsers
 from fastdeploy.tool_parsers.parsers import known_tool_parsers
@@ -189,6 +190,8 @@ class EngineConfig:
         self.quant = parse_quantization(self.quantization)
         self.speculative = None if self.speculative_config is None else \
             SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative is not None and self.speculative.method == "mtp":
+            self._check_mtp()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         self.dtype = DTYPES[self.dtype]
@@ -206,6 +209,24 @@ class EngineConfig:
                              f"got {self.tool_call_parser!r}")
         self._check_guided_decoding()
         self._refuse_not_yet_supported()
+
+    def _check_mtp(self) -> None:
+        """MTP drafts need an ERNIE-4.5 text checkpoint that carries the layer, on one rank."""
+        arch = self.model_config.architectures[0]
+        if arch not in MTP_ARCHITECTURES:
+            raise ValueError(f"speculative_config method 'mtp' needs an ERNIE-4.5 text model (dense or MoE); {arch} "
+                             "has no MTP layer (use 'ngram')")
+        if self.tensor_parallel_size > 1:
+            raise NotImplementedError("speculative_config method 'mtp' runs on one rank for now; use "
+                                      "tensor_parallel_size=1 or method 'ngram'")
+        where = self.speculative.model
+        if where is not None and os.path.realpath(where) != os.path.realpath(self.model):
+            raise NotImplementedError("speculative_config model: MTP weights are read from the model's own checkpoint "
+                                      f"for now ({self.model}), not from {where!r}")
+        with Checkpoint(self.model) as checkpoint:
+            if not checkpoint_has_mtp(list(checkpoint.tensors)):
+                raise ValueError(f"speculative_config method 'mtp': {self.model} has no MTP tensors (mtp_linear_proj.0, "
+                                 "mtp_block.0, ...; ERNIE-4.5's -Paddle and -PT checkpoints ship them); use 'ngram'")
 
     def _check_batched_tokens(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -263,6 +284,12 @@ class EngineConfig:
         if self.dtype == "bfloat16" or (self.dtype == "auto" and self.model_config.dtype == "bfloat16"):
             return "bfloat16"
         return "float32"
+
+    @property
+    def num_kv_layers(self) -> int:
+        """KV cache layers: the model's, and the MTP layer's when it drafts."""
+        mtp = self.speculative is not None and self.speculative.method == "mtp"
+        return self.model_config.num_hidden_layers + (MTP_LAYERS if mtp else 0)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -14,17 +14,25 @@ sampling the model's distribution and accepting on equality is speculative sampl
 kept with probability p(draft), otherwise the token comes from p without it. As each output position's
 uniform is fixed by the request's generator (Request.uniform), the tokens are the same as without
 speculation, greedy or sampled, with bit-identical logits.
+
+Drafting, "mtp" (FastDeploy's name): ERNIE-4.5's multi-token-prediction layer, run by the model runner after
+every step of a request (model_executor/models/ernie4_5_mtp.py, worker/mtp_proposer.py). It drafts greedily, so a
+draft is a point mass as well and the verification above is unchanged; `MtpDrafter` holds what the runner
+drafted until the scheduler asks.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = {"ngram": "ngram", "ngram_match": "ngram"}  # FastDeploy's docs / config names, vLLM's
+METHODS = {"ngram": "ngram", "ngram_match": "ngram", "mtp": "mtp"}  # FastDeploy's docs / config names, vLLM's
 MAX_SPECULATIVE_TOKENS = 16
+MTP_LAYERS = 1  # MTP layers ERNIE-4.5 checkpoints ship (FastDeploy builds one as well); each has a KV cache layer
+MTP_ARCHITECTURES = ("Ernie4_5ForCausalLM", "Ernie4_5_ForCausalLM", "Ernie4_5_MoeForCausalLM")  # HF and Paddle spellings
 # FastDeploy's keys this engine takes only at their defaults (MTP, draft models and their options).
-_DEFAULTS_ONLY: dict[str, Any] = {"model": None, "quantization": None, "num_model_steps": 1,
+_DEFAULTS_ONLY: dict[str, Any] = {"quantization": None, "num_model_steps": 1,
                                   "mtp_strategy": "default", "benchmark_mode": False}
 _ALIASES = {"prompt_lookup_max": "max_ngram_size", "prompt_lookup_min": "min_ngram_size"}  # vLLM's names
 
@@ -37,6 +45,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     max_ngram_size: int = 5  # FastDeploy's defaults
     min_ngram_size: int = 2
+    model: str | None = None  # mtp: a directory holding the MTP tensors (default: the model's checkpoint)
 
     @classmethod
     def from_dict(cls, given: Mapping[str, Any]) -> SpeculativeConfig:
@@ -44,19 +53,21 @@ class SpeculativeConfig:
             raise TypeError(f"speculative_config must be a dict, got {type(given).__name__}")
         values = {_ALIASES.get(k, k): v for k, v in given.items()}
         method = values.pop("method", None)
-        if method == "mtp":
-            raise NotImplementedError("speculative_config method 'mtp' is not implemented yet; use 'ngram'")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {sorted(METHODS)}, got {method!r}")
+        model = values.pop("model", None)
+        if model is not None and (METHODS[method] != "mtp" or not isinstance(model, (str, os.PathLike))):
+            raise ValueError("speculative_config model is the directory of the MTP weights (method 'mtp' only), "
+                             f"got {model!r}")
         for key, default in _DEFAULTS_ONLY.items():
             if key in values and values.pop(key) != default:
-                raise NotImplementedError(f"speculative_config {key} is only supported at {default!r} (ngram drafts)")
+                raise NotImplementedError(f"speculative_config {key} is only supported at {default!r}")
         known = {"num_speculative_tokens", "max_ngram_size", "min_ngram_size"}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: method, "
+            raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: method, model, "
                              f"{', '.join(sorted(known | set(_ALIASES) | set(_DEFAULTS_ONLY)))}")
-        config = cls(METHODS[method], **values)
+        config = cls(METHODS[method], **values, model=None if model is None else os.fspath(model))
         for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS), ("max_ngram_size", 1, 64),
                                 ("min_ngram_size", 1, config.max_ngram_size)):
             value = getattr(config, name)
@@ -65,11 +76,17 @@ class SpeculativeConfig:
         return config
 
 
+def checkpoint_has_mtp(tensor_names: Sequence[str]) -> bool:
+    """Whether a checkpoint carries ERNIE-4.5's MTP layer (either layout)."""
+    return any(".mtp_linear_proj.0." in n for n in tensor_names)
+
+
 class NgramDrafter:
     """One request's n-gram index: for every n-gram of min..max tokens of its context but those ending at the
     last token (the ones looked up), the end of its most recent occurrence."""
 
     __slots__ = ("min_n", "max_n", "k", "ends", "indexed")
+    runs_in_step = False
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n, self.k = config.min_ngram_size, config.max_ngram_size, config.num_speculative_tokens
@@ -90,3 +107,24 @@ class NgramDrafter:
             if start is not None:
                 return list(tokens[start:start + limit])
         return []
+
+
+class MtpDrafter:
+    """One request's MTP drafts: the model runner drafts after each of the request's steps and update_from_output
+    hands them over with the number of tokens they follow; `propose` gives them while they still follow the
+    request's tokens (a stop string taken back or a preemption makes them stale)."""
+
+    __slots__ = ("k", "drafts", "after", "limit")
+    runs_in_step = True  # the runner computes this request's drafts, so every step of it feeds the MTP layer
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.drafts: list[int] = []
+        self.after = -1  # len(token_ids) the drafts follow
+        self.limit = 0  # drafts the runner makes after this step (the scheduler sets it: see Scheduler._lookahead)
+
+    def offer(self, drafts: list[int], num_tokens: int) -> None:
+        self.drafts, self.after = drafts, num_tokens
+
+    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+        return self.drafts[:limit] if len(tokens) == self.after else []

@@ -186,6 +186,19 @@ class ForwardBatch:
 
 
 @dataclass(slots=True)
+class MtpRows:
+    """The requests of a step that feed ERNIE-4.5's MTP layer (speculative.py's "mtp"), in batch order. Each one's
+    rows are in ForwardBatch.hidden_rows (all its query rows, request after request); after sampling, the runner
+    runs the MTP layer over those whose main-model hidden state is final (worker/mtp_proposer.py)."""
+
+    batch_index: np.ndarray  # int64 [M]: the request's index in the forward batch
+    num_drafts: np.ndarray  # int64 [M]: how many of its query tokens (the last ones) are drafts to verify
+    first_sample: np.ndarray  # int64 [M]: its first sampling row, or -1 for a prompt chunk that does not sample
+    next_token: np.ndarray  # int64 [M]: for such a chunk, the prompt token after it (else unread)
+    draft_limit: np.ndarray  # int64 [M]: tokens to draft for its next step (0: only the MTP cache is filled)
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step for the runner. The first S logit rows sample a token (one per request that catches up
     with its known tokens this step, in batch order); the P rows after them give prompt logprobs."""
@@ -210,6 +223,7 @@ class SchedulerOutput:
     # (top_p_normalized_logprobs; 1: none). Empty: all raw.
     logprob_temperature: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     logprob_top_p: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    mtp: MtpRows | None = None
 
     @property
     def num_samples(self) -> int:
@@ -231,6 +245,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]  # [S]
     logprobs: list[TopLogprobs] = field(default_factory=list)  # one per SchedulerOutput.logprob_rows entry
     prompt_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per prompt row
+    draft_token_ids: list[list[int]] = field(default_factory=list)  # per MtpRows entry, its next step's drafts
 
 
 def block_table_array(tables: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:

@@ -43,14 +43,16 @@ def test_drafter_proposes_what_the_rule_says_as_tokens_arrive(seed: int) -> None
 
 
 @pytest.mark.parametrize("given, error, match", [
-    ({"method": "mtp", "num_speculative_tokens": 1}, NotImplementedError, "mtp"),
+    ({"method": "mtp", "num_model_steps": 2}, NotImplementedError, "num_model_steps"),
+    ({"method": "mtp", "mtp_strategy": "with_ngram"}, NotImplementedError, "mtp_strategy"),
     ({"method": "eagle"}, ValueError, "method must be one of"),
     ({"num_speculative_tokens": 2}, ValueError, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2.5}, ValueError, "num_speculative_tokens"),
     ({"method": "ngram", "min_ngram_size": 4, "max_ngram_size": 3}, ValueError, "min_ngram_size"),
     ({"method": "ngram", "lookahead": 3}, ValueError, "unknown keys"),
-    ({"method": "ngram", "model": "/somewhere"}, NotImplementedError, "model"),
+    ({"method": "ngram", "model": "/somewhere"}, ValueError, "method 'mtp' only"),
+    ({"method": "mtp", "model": 3}, ValueError, "directory of the MTP weights"),
     ("ngram", TypeError, "must be a dict"),
 ])
 def test_bad_speculative_config_is_refused(given, error, match) -> None:
@@ -94,6 +96,7 @@ class OracleDrafter:
     verification must keep exactly the right ones, whatever the drafts."""
 
     k = 5  # drafts at most
+    runs_in_step = False  # drafts from the context, as NgramDrafter
 
     def __init__(self, expected: list, rng: np.random.Generator) -> None:
         self.reference = [o.prompt_token_ids + o.outputs.token_ids for o in expected]

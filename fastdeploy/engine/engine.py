@@ -25,7 +25,7 @@ from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.engine.structured_output import StructuredOutputManager
-from fastdeploy.speculative import NgramDrafter
+from fastdeploy.speculative import MtpDrafter, NgramDrafter
 from fastdeploy.engine.submission import EngineStats, RankedGroup, Route, Sink, Submission
 from fastdeploy.guided.matcher import GuidedDecoding
 from fastdeploy.input.tokenizer import Tokenizer
@@ -198,7 +198,7 @@ class LLMEngine:
         request.drafter = self._drafter(request)
         return request
 
-    def _drafter(self, request: Request) -> NgramDrafter | None:
+    def _drafter(self, request: Request) -> NgramDrafter | MtpDrafter | None:
         """The request's draft source under speculative_config, if speculation can serve it: not for media,
         a grammar (drafts are not checked against it yet) or a reasoning limit (a forced end of thinking
         would have to cut a step's accepted drafts)."""
@@ -206,7 +206,7 @@ class LLMEngine:
         if spec is None or request.mm is not None or request.grammar is not None \
                 or request.params.reasoning_max_tokens is not None:
             return None
-        return NgramDrafter(spec)
+        return MtpDrafter(spec) if spec.method == "mtp" else NgramDrafter(spec)
 
     def make_requests(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, first_index: int,
                       start: float, enable_thinking: bool = True, mm: MultimodalInputs | None = None,

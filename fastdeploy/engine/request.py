@@ -10,7 +10,7 @@ import numpy as np
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.speculative import NgramDrafter
+from fastdeploy.speculative import MtpDrafter, NgramDrafter
 from fastdeploy.guided.matcher import GrammarState
 from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import placeholder_error
 from fastdeploy.model_executor.multimodal import MultimodalInputs
@@ -65,7 +65,7 @@ class Request:
     # Speculative decoding: this step's drafts (set by the scheduler, verified by the step), the request's n-gram
     # index, and the uniforms drawn for output positions not yet emitted (see `uniform`).
     draft_token_ids: list[int] = field(default_factory=list)
-    drafter: NgramDrafter | None = None
+    drafter: NgramDrafter | MtpDrafter | None = None
     pending_uniforms: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:

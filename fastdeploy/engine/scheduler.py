@@ -92,7 +92,8 @@ class Scheduler:
                     continue  # part-way through its prompt: waits for a step with prompt tokens to spare
             elif request.drafter is not None and budget > 1:
                 num_new += self._draft(request, budget - 1)
-            while not self.block_manager.allocate(request, num_new):
+            lookahead = self._lookahead(request, num_new)
+            while not self.block_manager.allocate(request, num_new + lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -121,7 +122,8 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = min(budget, prefill)
-            if not self.block_manager.allocate(request, num_new, hits):
+            lookahead = self._lookahead(request, num_new, hits)
+            if not self.block_manager.allocate(request, num_new + lookahead, hits):
                 break
             if hits:
                 request.num_cached_tokens = len(hits) * self.block_manager.block_size
@@ -170,6 +172,23 @@ class Scheduler:
         request.draft_token_ids = drafts
         return len(drafts)
 
+    def _lookahead(self, request: Request, num_new: int, hits: list[int] | tuple = ()) -> int:
+        """Cache slots an MTP-drafting request needs past this step's tokens, and its draft limit: the MTP layer's
+        second and later drafts are computed one position on each (worker/mtp_proposer.py), so k drafts need
+        k - 1 slots; only when the step completes the request's tokens (it samples), the pool has them, and the
+        drafts stay within its max_tokens (else fewer)."""
+        drafter = request.drafter
+        if drafter is None or not drafter.runs_in_step:
+            return 0
+        end = request.num_computed_tokens + len(hits) * self.block_manager.block_size + num_new
+        if end < request.num_tokens + len(request.draft_token_ids):
+            drafter.limit = 0  # a prompt chunk: it only fills the MTP layer's cache
+            return 0
+        drafter.limit = max(0, min(drafter.k, request.num_prompt_tokens + request.max_tokens - end + 1))
+        if drafter.limit > 1 and self.block_manager.free_after(request, num_new + drafter.limit - 1, hits) < 0:
+            drafter.limit = 1  # no slots to spare: one draft needs none
+        return max(drafter.limit - 1, 0)
+
     def update_from_output(self, step: ScheduledStep, output: ModelRunnerOutput) -> list[Request]:
         """Apply a step's result; return the requests that got a new token (some now finished). A drafting
         request emits its sampled tokens up to the first that differs from its draft (speculative.py); only
@@ -204,13 +223,19 @@ class Scheduler:
                 if not request.is_finished:  # the last token and the accepted drafts went through the model
                     request.num_computed_tokens += len(emitted)
                     self.block_manager.cache_full_blocks(request)
-                    self.block_manager.trim(request)
+            if not request.is_finished and (drafts or request.drafter is not None and request.drafter.runs_in_step):
+                self.block_manager.trim(request)  # rejected drafts' blocks, MTP slots past the tokens
             m = request.metrics  # FastDeploy's meanings: durations up to this (the latest) output token
             if m.first_token_time is None:
                 m.first_token_time = now - m.inference_start_time
             m.model_forward_time = now - m.inference_start_time
             m.model_execute_time = now - m.arrival_time
             step.emitted.append(emitted)
+        mtp = step.model_input.mtp
+        if mtp is not None:
+            for i, drafts in zip(mtp.batch_index.tolist(), output.draft_token_ids):
+                request = step.requests[i]
+                request.drafter.offer(drafts, request.num_tokens)
         self.prefill_budget.step_applied(self.has_unfinished())
         return step.samplers
 

@@ -29,7 +29,7 @@ from fastdeploy.engine.request import Request
 from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import chunk_inputs
 from fastdeploy.sampling import policy as sampling_policy
 from fastdeploy.sampling.policy import sampler_alone
-from fastdeploy.step_types import ForwardBatch, SamplingBatch, SchedulerOutput, VisionSlice
+from fastdeploy.step_types import ForwardBatch, MtpRows, SamplingBatch, SchedulerOutput, VisionSlice
 
 
 @dataclass(slots=True)
@@ -148,8 +148,28 @@ def build_step(requests: list[Request], counts: list[int], block_manager: BlockM
     if any(rows[j].params.temp_scaled_logprobs or rows[j].params.top_p_normalized_logprobs for j in logprob_rows):
         model_input.logprob_temperature, model_input.logprob_top_p = sampling_policy.logprob_transforms(
             [rows[j].params for j in logprob_rows])
+    add_mtp_rows(model_input, requests, sampling, starts)
     return ScheduledStep(list(requests), list(counts), samplers, [(r, p) for r, p, _ in prompt_rows], model_input,
                          list(rows))
+
+
+def add_mtp_rows(model_input: SchedulerOutput, requests: list[Request], sampling: list[int], starts: list[int]) -> None:
+    """The step's requests whose drafts the runner makes with the MTP layer: every query row's hidden state
+    handed back, and what the runner needs to know which are final (step_types.MtpRows)."""
+    mtp = [i for i, r in enumerate(requests) if r.drafter is not None and r.drafter.runs_in_step]
+    if not mtp:
+        return
+    first_row, row = {}, 0
+    for i in sampling:
+        first_row[i] = row
+        row += 1 + len(requests[i].draft_token_ids)
+    forward = model_input.forward
+    forward.hidden_rows = np.concatenate([np.arange(starts[i], starts[i + 1], dtype=np.int64) for i in mtp])
+    model_input.mtp = MtpRows(
+        batch_index=_int64(mtp), num_drafts=_int64([len(requests[i].draft_token_ids) for i in mtp]),
+        first_sample=_int64([first_row.get(i, -1) for i in mtp]),
+        next_token=_int64([-1 if i in first_row else requests[i].token_ids[int(forward.context_lens[i])] for i in mtp]),
+        draft_limit=_int64([requests[i].drafter.limit for i in mtp]))
 
 
 def plain_decoder(request: Request) -> bool:
@@ -158,7 +178,7 @@ def plain_decoder(request: Request) -> bool:
     side (no bias, logprobs or prompt rows: only the sampler reads the logits) is sampling.policy's
     `sampler_alone`, the rule for the compiled step's in-forward sampling too."""
     return (request.mm is None and request.grammar is None and not request.bad_words and not request.forced_tokens
-            and not request.below_min_tokens)
+            and not request.below_min_tokens and (request.drafter is None or not request.drafter.runs_in_step))
 
 
 def _owned(array: np.ndarray) -> memoryview:

@@ -23,7 +23,7 @@ def kv_block_bytes(config: EngineConfig, tp_size: int) -> int:
     """Bytes of one KV block over all ranks (they share this host's memory)."""
     mc = config.model_config
     heads = kv_heads_per_rank(mc.num_key_value_heads, tp_size) * tp_size
-    return 2 * mc.num_hidden_layers * config.block_size * heads * row_bytes(mc.head_dim, config.kv_cache_dtype)
+    return 2 * config.num_kv_layers * config.block_size * heads * row_bytes(mc.head_dim, config.kv_cache_dtype)
 
 
 def num_kv_blocks(config: EngineConfig, tp_size: int, worker_pids: Sequence[int] = ()) -> int:

@@ -29,6 +29,7 @@ from fastdeploy.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutp
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
 from fastdeploy.worker.kv_plan import kv_block_bytes, num_kv_blocks
+from fastdeploy.worker.mtp_proposer import MtpProposer
 from fastdeploy.worker.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -40,14 +41,23 @@ def run_step(model: nn.Layer, inputs: ForwardBatch, block_size: int,
     """Forward the batch through the model (writing its K/V into the cache) and return the logits
     [N, vocab] of `logit_rows` (None when no row needs them). A multimodal step also passes its token
     types and the vision rows of its placeholders (encoded through `vision`)."""
+    return _logits(model, inputs, forward_hidden(model, inputs, block_size, kv_caches, vision))
+
+
+@paddle.no_grad()
+def forward_hidden(model: nn.Layer, inputs: ForwardBatch, block_size: int, kv_caches: Sequence[paddle.Tensor],
+                   vision: VisionCache | None = None) -> paddle.Tensor:
+    """run_step's forward: the final hidden states of every row [T, hidden]."""
     ctx = build_forward_context(inputs.query_lens, inputs.context_lens, inputs.block_tables, block_size, kv_caches)
     with forward_context(ctx):
         if inputs.token_types is None:
-            hidden = model(paddle.to_tensor(inputs.token_ids), paddle.to_tensor(inputs.positions))
-        else:
-            rows = (vision or VisionCache()).rows(model, inputs.vision)
-            hidden = model(paddle.to_tensor(inputs.token_ids), paddle.to_tensor(inputs.positions),
-                           paddle.to_tensor(inputs.token_types), rows)
+            return model(paddle.to_tensor(inputs.token_ids), paddle.to_tensor(inputs.positions))
+        rows = (vision or VisionCache()).rows(model, inputs.vision)
+        return model(paddle.to_tensor(inputs.token_ids), paddle.to_tensor(inputs.positions),
+                     paddle.to_tensor(inputs.token_types), rows)
+
+
+def _logits(model: nn.Layer, inputs: ForwardBatch, hidden: paddle.Tensor) -> paddle.Tensor | None:
     if not len(inputs.logit_rows):
         return None
     return model.compute_logits(paddle.gather(hidden, paddle.to_tensor(inputs.logit_rows)))
@@ -103,7 +113,7 @@ class ModelRunner:
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
             self.model = load_model(mc, self.tp, config.quant, dtype=config.dtype,
-                                    lm_head_fp32=config.lm_head_fp32)
+                                    lm_head_fp32=config.lm_head_fp32, mtp=config.num_kv_layers > mc.num_hidden_layers)
             ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
             self._ask_workers()  # loaded
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
@@ -114,11 +124,14 @@ class ModelRunner:
         except BaseException:
             self.close()
             raise
-        self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, self.num_blocks, config.block_size,
+        self.kv_caches = allocate_kv_caches(config.num_kv_layers, self.num_blocks, config.block_size,
                                             kv_heads_per_rank(mc.num_key_value_heads, self.tp.size), mc.head_dim,
                                             config.kv_cache_dtype)
-        self.compiled = (CompiledDecoder.build(self.model, self.kv_caches, config.block_size, config.max_model_len)
+        main_caches = self.kv_caches[:mc.num_hidden_layers]  # the MTP layer's, if any, come after
+        self.compiled = (CompiledDecoder.build(self.model, main_caches, config.block_size, config.max_model_len)
                          if self.workers is None else None)
+        self.mtp = (MtpProposer(self.model, self.kv_caches, config.block_size)
+                    if config.num_kv_layers > mc.num_hidden_layers else None)
 
     def _ask_workers(self, message: object | None = None) -> list:
         """Send `message` to every worker (if given) and wait for each one's reply."""
@@ -150,14 +163,24 @@ class ModelRunner:
         """Forward and sample the step. `wait_for_masks`: returns once step.token_bitmask is filled (the engine
         computes the grammar masks while the forward runs)."""
         batch = self.compiled.covers(step.forward) if self.compiled is not None else None
+        hidden = None
         if batch is not None:
             how = sample_in_forward(step, self.compiled.vocab)
             if how is not None:  # the compiled call takes the tokens while the logits are in cache
-                return sampled_in_forward(step, self.compiled.forward_tokens(batch, how), how)
-            logits = self.compiled.forward(batch)
+                output = sampled_in_forward(step, self.compiled.forward_tokens(batch, how), how)
+            else:
+                output = self.sampling(step, self.compiled.forward(batch), wait_for_masks)
+            if step.mtp is not None:
+                hidden = paddle.to_tensor(self.compiled.hidden)
+        elif step.mtp is not None:  # one rank (EngineConfig): the hidden states are here
+            all_hidden = forward_hidden(self.model, step.forward, self.config.block_size, self.kv_caches, self.vision)
+            output = self.sampling(step, _logits(self.model, step.forward, all_hidden), wait_for_masks)
+            hidden = paddle.gather(all_hidden, paddle.to_tensor(step.forward.hidden_rows))
         else:
-            logits = self._layer_forward(step.forward)
-        return self.sampling(step, logits, wait_for_masks)
+            output = self.sampling(step, self._layer_forward(step.forward), wait_for_masks)
+        if step.mtp is not None:
+            output.draft_token_ids = self.mtp.propose(step, output.sampled_token_ids, hidden)
+        return output
 
     def _forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
         """The batch's logits by the compiled step when it covers the batch, else layer by layer."""

@@ -10,7 +10,7 @@ config.json fields (names as in the -PT and -Paddle repos; defaults as transform
 Checkpoint tensors per MoE layer (HF names; Paddle: `ernie.` prefix, fused up_gate_proj, [in, out]):
   mlp.gate.weight [E, hidden], mlp.moe_statics.e_score_correction_bias [1, E],
   mlp.experts.K.{gate,up,down}_proj.weight, mlp.shared_experts.{gate,up,down}_proj.weight.
-Multi-token-prediction tensors (`mtp_*`) are skipped, as transformers does.
+Multi-token-prediction tensors (`mtp_*`) are skipped, as transformers does, unless MTP drafts (ernie4_5_mtp.py).
 """
 from __future__ import annotations
 
@@ -85,3 +85,7 @@ class Ernie4_5_MoeForCausalLM(Ernie4_5ForCausalLM):
         if self.moe.is_moe_layer(layer_idx):
             return ernie_moe_mlp(config, self.moe)
         return dense_mlp(config, layer_idx)
+
+    def make_mtp_moe_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Layer:
+        """The MTP layer's experts (ernie4_5_mtp.py): shaped as the model's MoE layers."""
+        return ernie_moe_mlp(config, self.moe)

@@ -1,0 +1,89 @@
+"""MTP drafting on the runner's side (speculative.py's "mtp"): after a step is sampled, ERNIE-4.5's MTP layer
+(model_executor/models/ernie4_5_mtp.py) catches up with each MTP request and drafts its next step's tokens.
+
+A request's MTP row at position i needs the main model's final hidden state h_i and the token x_{i+1} after it.
+A step computed h for the request's query rows, positions P..P+n-1; which of them are final depends on sampling:
+- a prompt chunk that does not sample: all n, x_{i+1} being the next query token, and for the last row the prompt
+  token after the chunk;
+- a request that samples with k drafts (its last k query tokens): its last token and the m drafts before the
+  first mismatch, n - k + m rows, the last of them followed by the token sampled there (the step's new token).
+The rows' MTP K/V go into the MTP layer's cache at their positions (a rejected draft's is overwritten by the next
+step). The last row's output gives the first draft (greedy: argmax of the shared LM head); a further draft runs
+the layer again one position on, with the previous draft as its token and the previous output as its hidden
+state (FastDeploy's chaining), its K/V in the slots the scheduler reserved past the step's tokens.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import paddle
+from paddle import nn
+
+from fastdeploy.model_executor.forward_context import build_forward_context, forward_context
+from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward
+from fastdeploy.step_types import SchedulerOutput
+
+
+class MtpProposer:
+    def __init__(self, model: nn.Layer, kv_caches: Sequence[paddle.Tensor], block_size: int) -> None:
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+
+    def propose(self, step: SchedulerOutput, sampled: Sequence[int], hidden: paddle.Tensor) -> list[list[int]]:
+        """Each MtpRows entry's drafts for its next step; `hidden` [len(hidden_rows), H]: the main model's final
+        hidden states of step.forward.hidden_rows."""
+        forward, rows = step.forward, step.mtp
+        starts = np.concatenate([[0], np.cumsum(forward.query_lens)])
+        ids: list[int] = []
+        positions: list[int] = []
+        lens: list[int] = []
+        sources: list[int] = []  # hidden-state rows, in `hidden`
+        tail_at: list[int] = []  # per entry: its last MTP row
+        offset = 0
+        for e, b in enumerate(rows.batch_index.tolist()):
+            start, n = int(starts[b]), int(forward.query_lens[b])
+            begin = int(forward.context_lens[b]) - n
+            tokens = forward.token_ids[start:start + n].tolist()
+            k, first = int(rows.num_drafts[e]), int(rows.first_sample[e])
+            if first < 0:
+                used, tail = n, int(rows.next_token[e])
+            else:
+                accepted = 0
+                while accepted < k and sampled[first + accepted] == tokens[n - k + accepted]:
+                    accepted += 1
+                used, tail = n - k + accepted, int(sampled[first + accepted])
+            ids += tokens[1:used] + [max(tail, 0)]  # -1: a sampling failure; its drafts are dropped below
+            positions += range(begin, begin + used)
+            lens.append(used)
+            sources += range(offset, offset + used)
+            tail_at.append(len(ids) - 1)
+            offset += n
+        limits = [int(limit) if first >= 0 and sampled[first] >= 0 else 0
+                  for limit, first in zip(rows.draft_limit.tolist(), rows.first_sample.tolist())]
+        table = forward.block_tables[rows.batch_index]
+        ends = [p + 1 for p in np.asarray(positions)[tail_at].tolist()]
+        out = self._run(ids, positions, lens, ends, table, paddle.gather(hidden, paddle.to_tensor(sources)))
+        drafts: list[list[int]] = [[] for _ in limits]
+        active = [e for e, limit in enumerate(limits) if limit > 0]
+        last = paddle.gather(out, paddle.to_tensor(np.asarray(tail_at, np.int64)[active])) if active else None
+        for j in range(max(limits, default=0)):
+            tokens = self.model.compute_logits(last).argmax(axis=-1).tolist()
+            for e, token in zip(active, tokens):
+                drafts[e].append(int(token))
+            active_next = [i for i, e in enumerate(active) if limits[e] > j + 1]
+            if not active_next:
+                break
+            active = [active[i] for i in active_next]
+            # One more row per drafting request: the draft just made, one position on, from the last output.
+            ends_j = [ends[e] + j + 1 for e in active]
+            last = self._run([drafts[e][-1] for e in active], [end - 1 for end in ends_j], [1] * len(active),
+                             ends_j, table[active], paddle.gather(last, paddle.to_tensor(np.asarray(active_next, np.int64))))
+        return drafts
+
+    def _run(self, ids: list[int], positions: list[int], lens: list[int], ends: list[int], table: np.ndarray,
+             hidden: paddle.Tensor) -> paddle.Tensor:
+        ctx = build_forward_context(np.asarray(lens, np.int64), np.asarray(ends, np.int64), table, self.block_size,
+                                    self.kv_caches)
+        with forward_context(ctx):
+            return mtp_forward(self.model, paddle.to_tensor(np.asarray(ids, np.int64)),
+                               paddle.to_tensor(np.asarray(positions, np.int64)), hidden)
