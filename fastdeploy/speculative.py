@@ -81,15 +81,48 @@ def checkpoint_has_mtp(tensor_names: Sequence[str]) -> bool:
     return any(".mtp_linear_proj.0." in n for n in tensor_names)
 
 
-class NgramDrafter:
+PROBE_EVERY = 8  # a request whose drafts do not pay still drafts one token this often, to notice when they would
+
+
+class Drafter:
+    """A request's draft source, with how often its drafts were accepted: the scheduler drafts only as many tokens
+    as pay for themselves in the step at hand (`length`)."""
+
+    __slots__ = ("k", "verified", "accepted", "idle")
+    runs_in_step = False  # whether the model runner makes the drafts (MTP) rather than the scheduler
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.verified = self.accepted = 0  # draft positions compared with the model's token, and kept
+        self.idle = 0  # steps since it last drafted
+
+    def record(self, verified: int, accepted: int) -> None:
+        self.verified += verified
+        self.accepted += accepted
+
+    def length(self, threshold: float) -> int:
+        """Drafts worth verifying when a draft must be kept with probability above `threshold` to pay for its
+        position in the step (Scheduler._draft_threshold). The j-th draft is kept with about a^j, a being this
+        request's acceptance so far (with a prior of one kept and one rejected)."""
+        rate = (self.accepted + 1) / (self.verified + 2)
+        n, kept = 0, rate
+        while n < self.k and kept > threshold:
+            n, kept = n + 1, kept * rate
+        self.idle = 0 if n else self.idle + 1
+        if self.idle >= PROBE_EVERY:
+            n, self.idle = 1, 0
+        return n
+
+
+class NgramDrafter(Drafter):
     """One request's n-gram index: for every n-gram of min..max tokens of its context but those ending at the
     last token (the ones looked up), the end of its most recent occurrence."""
 
-    __slots__ = ("min_n", "max_n", "k", "ends", "indexed")
-    runs_in_step = False
+    __slots__ = ("min_n", "max_n", "ends", "indexed")
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.min_n, self.max_n, self.k = config.min_ngram_size, config.max_ngram_size, config.num_speculative_tokens
+        super().__init__(config)
+        self.min_n, self.max_n = config.min_ngram_size, config.max_ngram_size
         self.ends: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in `ends`
 
@@ -109,16 +142,16 @@ class NgramDrafter:
         return []
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
     """One request's MTP drafts: the model runner drafts after each of the request's steps and update_from_output
     hands them over with the number of tokens they follow; `propose` gives them while they still follow the
     request's tokens (a stop string taken back or a preemption makes them stale)."""
 
-    __slots__ = ("k", "drafts", "after", "limit")
-    runs_in_step = True  # the runner computes this request's drafts, so every step of it feeds the MTP layer
+    __slots__ = ("drafts", "after", "limit")
+    runs_in_step = True  # every step of the request feeds the MTP layer
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.k = config.num_speculative_tokens
+        super().__init__(config)
         self.drafts: list[int] = []
         self.after = -1  # len(token_ids) the drafts follow
         self.limit = 0  # drafts the runner makes after this step (the scheduler sets it: see Scheduler._lookahead)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.speculative import NgramDrafter, SpeculativeConfig
+from fastdeploy.speculative import Drafter, NgramDrafter, SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "max_ngram_size": 3, "min_ngram_size": 1}
 
@@ -91,19 +91,21 @@ def mixed_params(n: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=8 + 3 * (i % 5), **kinds[i % len(kinds)]) for i in range(n)]
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Drafts a request's true continuation (the run without speculation) with some tokens changed: the
     verification must keep exactly the right ones, whatever the drafts."""
-
-    k = 5  # drafts at most
-    runs_in_step = False  # drafts from the context, as NgramDrafter
 
     def __init__(self, expected: list, rng: np.random.Generator) -> None:
         self.reference = [o.prompt_token_ids + o.outputs.token_ids for o in expected]
         self.rng = rng
 
     def __call__(self, config):  # the engine's NgramDrafter(config)
+        Drafter.__init__(self, config)
+        self.k = 5  # drafts at most
         return self
+
+    def length(self, threshold: float) -> int:
+        return self.k  # every draft verified: the test is of the verification
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         # The continuation of a run that so far agrees (n > 1 samples of a prompt differ), else none.
@@ -200,3 +202,29 @@ def test_ngram_drafts_on_the_demo_model_are_accepted_and_change_nothing() -> Non
               ).generate(prompts * 2, params * 2, use_tqdm=False)
     assert [o.outputs.token_ids for o in got] == [o.outputs.token_ids for o in expected]
     assert sum(o.metrics.num_accepted_tokens for o in got) > 10
+
+
+def test_draft_length_follows_acceptance_and_the_steps_cost() -> None:
+    """The j-th draft is verified while a^j beats the threshold (a: acceptance with a 1/2 prior); a request
+    whose drafts do not pay still drafts one token every PROBE_EVERY steps."""
+    from fastdeploy.speculative import PROBE_EVERY
+
+    drafter = Drafter(SpeculativeConfig("ngram", 4))
+    assert drafter.length(0.0) == 4 and drafter.length(0.49) == 1 and drafter.length(0.5) == 0
+    drafter.record(98, 88)  # a = 0.89: 0.89, 0.79, 0.70, 0.63
+    assert [drafter.length(t) for t in (0.1, 0.65, 0.75, 0.85)] == [4, 3, 2, 1]
+    lengths = [drafter.length(0.95) for _ in range(3 * PROBE_EVERY)]
+    assert lengths == ([0] * (PROBE_EVERY - 1) + [1]) * 3
+
+
+def test_draft_threshold_from_the_measured_step_line() -> None:
+    from fastdeploy.engine.block_manager import BlockManager
+    from fastdeploy.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(BlockManager(64, 16, False), 64, 2048, True)
+    assert scheduler._draft_threshold() == 0.0  # the line is not known yet
+    scheduler.prefill_budget.seconds.update({1: 0.011, 16: 0.026, 64: 0.074})  # 10 ms fixed, 1 ms per token
+    scheduler.running = [object()] * 16
+    assert scheduler._draft_threshold() == pytest.approx(16 / 26, rel=1e-6)
+    scheduler.running = [object()]
+    assert scheduler._draft_threshold() == pytest.approx(1 / 11, rel=1e-6)

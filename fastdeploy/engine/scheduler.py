@@ -62,6 +62,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # the unfinished ones, by id
         self.num_preemptions = 0
+        self.draft_threshold = 0.0  # this step's, see _draft_threshold
         self._steady = SteadyDecode()
 
     def add(self, request: Request) -> None:
@@ -75,6 +76,7 @@ class Scheduler:
         self.prefill_budget.step_begins()
         budget = self.max_num_batched_tokens
         prefill = self._prefill_limit()
+        self.draft_threshold = self._draft_threshold()
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted = False
@@ -162,10 +164,26 @@ class Scheduler:
             return self.max_num_batched_tokens
         return self.prefill_budget.prefill_limit(decoding, min(decoding + prompts, self.max_num_seqs))
 
+    def _draft_threshold(self) -> float:
+        """How likely a draft must be kept to be worth its position in this step. A step of n tokens takes about
+        fixed + per_token x n seconds (PrefillBudget's line); one more position costs per_token and gains its
+        chance p of being kept, so it raises the batch's tokens per second when p > per_token x B / (fixed +
+        per_token x B), B being the requests in the batch: near 0 at one stream (a step is the weights'
+        streaming), near 1 when the batch is compute-bound. 0 (draft all) until the line is known."""
+        line = self.prefill_budget.line()
+        if line is None:
+            return 0.0
+        fixed, per_token = max(line[0], 0.0), line[1]
+        batch = max(len(self.running), 1) * per_token
+        return batch / (fixed + batch)
+
     def _draft(self, request: Request, room: int) -> int:
-        """Give a decoding request its drafts for this step (at most `room` tokens, and never more than its
-        max_tokens leaves after the token it samples anyway); how many."""
-        limit = min(room, request.max_tokens - request.num_output_tokens - 1, request.drafter.k)
+        """Give a decoding request its drafts for this step (at most `room` tokens, as many as pay for themselves
+        (Drafter.length; an MTP request's were limited when it drafted them) and never more than its max_tokens
+        leaves after the token it samples anyway); how many."""
+        drafter = request.drafter
+        worth = drafter.k if drafter.runs_in_step else drafter.length(self.draft_threshold)
+        limit = min(room, request.max_tokens - request.num_output_tokens - 1, worth)
         drafts = request.drafter.propose(request.token_ids, limit) if limit > 0 else []
         if drafts and self.block_manager.free_after(request, 1 + len(drafts)) < 0:
             drafts = []  # drafts never push a request out of the cache
@@ -184,7 +202,8 @@ class Scheduler:
         if end < request.num_tokens + len(request.draft_token_ids):
             drafter.limit = 0  # a prompt chunk: it only fills the MTP layer's cache
             return 0
-        drafter.limit = max(0, min(drafter.k, request.num_prompt_tokens + request.max_tokens - end + 1))
+        drafter.limit = max(0, min(drafter.length(self.draft_threshold),
+                                   request.num_prompt_tokens + request.max_tokens - end + 1))
         if drafter.limit > 1 and self.block_manager.free_after(request, num_new + drafter.limit - 1, hits) < 0:
             drafter.limit = 1  # no slots to spare: one draft needs none
         return max(drafter.limit - 1, 0)
@@ -217,6 +236,7 @@ class Scheduler:
             request.use_uniforms(len(emitted))
             if drafts:
                 accepted = sum(t == d for t, d in zip(emitted, drafts))
+                request.drafter.record(min(len(emitted), len(drafts)), accepted)
                 request.metrics.num_draft_tokens += len(drafts)
                 request.metrics.num_accepted_tokens += accepted
                 request.draft_token_ids = []
