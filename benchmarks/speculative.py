@@ -1,13 +1,16 @@
-"""Speculative decoding (ngram) against plain decoding: output tok/s and the drafts' acceptance, same run.
+"""Speculative decoding (ngram or MTP) against plain decoding: output tok/s and the drafts' acceptance, same run.
 
     .venv/bin/python benchmarks/speculative.py                                  # the demo model, 1/16/64 streams
     .venv/bin/python benchmarks/speculative.py --model PATH --quantization wint4 --streams 1 --json out.json
+    .venv/bin/python benchmarks/speculative.py --method mtp --num-speculative-tokens 1 --random ernie-4.5-21b-a3b \
+        --layers 4 --quantization wint4 --streams 1 --workloads fresh   # MTP's cost per step (random: no draft kept)
 
 Workloads, all greedy with a fixed number of output tokens (no EOS):
   copy   prompts whose answer repeats their context: a passage of real prose (paragraphs of this repository's
          docs/*.md) followed by its first words again, so a model that continues the text copies it
   fresh  random token ids: nothing in the context to copy (what speculation costs when it cannot help)
-Each (workload, streams) pair runs plain and with speculative_config alternately, --repeats times each, on one
+`--random SHAPE --layers N` writes (once, into benchmarks/.cache) a random checkpoint of that shape cut to N layers,
+with an MTP layer (tools/random_checkpoint.py). Each (workload, streams) pair runs plain and with speculative_config alternately, --repeats times each, on one
 LLM per setting; the best of each is reported with the ratio and the accepted share of the drafts. Prints the
 kernels' ISA: compare figures only between runs on the same kind of machine.
 """
@@ -27,8 +30,11 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "tools"))
+
 from fastdeploy import LLM, SamplingParams  # noqa: E402
 from fastdeploy.ops.build import runtime_info  # noqa: E402
+from random_checkpoint import SHAPES, write_checkpoint  # noqa: E402
 
 
 def passages(min_chars: int = 300, max_chars: int = 700) -> list[str]:
@@ -68,6 +74,9 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--streams", default="1,16,64")
     parser.add_argument("--workloads", default="copy,fresh")
+    parser.add_argument("--method", choices=("ngram", "mtp"), default="ngram")
+    parser.add_argument("--random", choices=sorted(SHAPES), help="a random checkpoint of this shape, with an MTP layer")
+    parser.add_argument("--layers", type=int, default=4, help="with --random: its depth")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -75,11 +84,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="append the results here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+    spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.random:
+        args.model = str(ROOT / "benchmarks" / ".cache" / f"{args.random}-{args.layers}l-mtp")
+        write_checkpoint(Path(args.model), SHAPES[args.random], args.layers, mtp=True)
     streams = [int(s) for s in args.streams.split(",")]
     common = dict(model=args.model, quantization=args.quantization, max_model_len=args.max_model_len,
                   max_num_seqs=max(streams))
-    llms = {"plain": LLM(**common), "ngram": LLM(**common, speculative_config=spec)}
+    llms = {"plain": LLM(**common), "spec": LLM(**common, speculative_config=spec)}
     vocab = llms["plain"].engine.vocab_size
     rt = runtime_info()
     print(f"kernels {rt['active_isa']} of {rt['detected_isa']}, {rt['num_threads']} threads; model {args.model} "
@@ -91,24 +103,24 @@ def main() -> None:
             batch = prompts(workload, n, seed=n, vocab=vocab)
             for llm in llms.values():  # warm-up
                 run(llm, batch[:1], 8)
-            best = {"plain": 0.0, "ngram": 0.0}
+            best = {"plain": 0.0, "spec": 0.0}
             drafted = accepted = 0
             for _ in range(args.repeats):
                 for name, llm in llms.items():
                     rate, d, a = run(llm, batch, args.max_tokens)
                     best[name] = max(best[name], rate)
-                    if name == "ngram":
+                    if name == "spec":
                         drafted, accepted = d, a
                     bar.update()
-            rows.append(dict(workload=workload, streams=n, plain=best["plain"], ngram=best["ngram"],
+            rows.append(dict(workload=workload, streams=n, plain=best["plain"], spec=best["spec"], method=args.method,
                              drafted=drafted, accepted=accepted, isa=rt["active_isa"], model=args.model,
                              quantization=args.quantization))
-    print("| workload | streams | plain tok/s | ngram tok/s | ratio | drafts accepted |")
+    print(f"| workload | streams | plain tok/s | {args.method} tok/s | ratio | drafts accepted |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         share = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "no drafts"
-        print(f"| {r['workload']} | {r['streams']} | {r['plain']:.1f} | {r['ngram']:.1f} | "
-              f"{r['ngram'] / r['plain']:.2f}x | {share} |")
+        print(f"| {r['workload']} | {r['streams']} | {r['plain']:.1f} | {r['spec']:.1f} | "
+              f"{r['spec'] / r['plain']:.2f}x | {share} |")
     if args.json:
         with args.json.open("a") as f:
             f.write(json.dumps(rows) + "\n")

@@ -141,7 +141,7 @@ class EngineConfig:
     load_choices: str = param("default_v1", "FastDeploy's weight loader: default or default_v1 (both load the same here)")
     speculative_config: dict[str, Any] | None = param(
         None, 'speculative decoding, JSON like {"method": "ngram", "num_speculative_tokens": 4, "max_ngram_size": 5, '
-              '"min_ngram_size": 2} (docs/speculative_decoding.md)')
+              '"min_ngram_size": 2} or {"method": "mtp", "num_speculative_tokens": 1} (docs/speculative_decoding.md)')
     model_config: ModelConfig = field(init=False, repr=False)
     quant: QuantConfig = field(init=False)  # `quantization`, parsed
     speculative: SpeculativeConfig | None = field(init=False)  # `speculative_config`, parsed

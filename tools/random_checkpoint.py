@@ -78,40 +78,53 @@ SHAPES = {
 Spec = tuple[str, str, tuple[int, ...], str]
 
 
-def tensor_specs(s: ModelShape, layers: int) -> list[Spec]:
-    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+def tensor_specs(s: ModelShape, layers: int, mtp: bool = False) -> list[Spec]:
+    """The checkpoint's tensors; `mtp` adds ERNIE-4.5's multi-token-prediction layer as the -PT repos store it (a
+    decoder layer shaped as the model's last, `model.mtp_block.0.`, and its norms and projection)."""
+    h = s.hidden
     specs: list[Spec] = [("model.embed_tokens.weight", "BF16", (s.vocab, h), "normal")]
     for i in range(layers):
-        p = f"model.layers.{i}."
-        specs += [(p + "input_layernorm.weight", "BF16", (h,), "ones"),
-                  (p + "post_attention_layernorm.weight", "BF16", (h,), "ones"),
-                  (p + "self_attn.q_proj.weight", "BF16", (q, h), "normal"),
-                  (p + "self_attn.k_proj.weight", "BF16", (kv, h), "normal"),
-                  (p + "self_attn.v_proj.weight", "BF16", (kv, h), "normal"),
-                  (p + "self_attn.o_proj.weight", "BF16", (h, q), "normal")]
-        if s.family == "qwen2":
-            specs += [(p + f"self_attn.{n}_proj.bias", "BF16", (size,), "normal") for n, size in
-                      (("q", q), ("k", kv), ("v", kv))]
-        if s.family == "ernie_moe" and i > 0:
-            specs += [(p + "mlp.gate.weight", "F32", (s.experts, h), "normal"),
-                      (p + "mlp.moe_statics.e_score_correction_bias", "F32", (1, s.experts), "small")]
-            for e in range(s.experts):
-                specs += _mlp(f"{p}mlp.experts.{e}.", h, s.expert_ffn)
-            specs += _mlp(p + "mlp.shared_experts.", h, s.expert_ffn * s.shared_experts)
-        elif s.family == "ernie_vl" and i > 0:  # routers stored [hidden, experts]; experts: text, then vision
-            specs += [(p + "mlp.gate.weight", "F32", (h, s.experts), "normal"),
-                      (p + "mlp.gate.weight_1", "F32", (h, s.experts), "normal"),
-                      (p + "mlp.moe_statics.e_score_correction_bias", "F32", (2, s.experts), "small")]
-            for e in range(2 * s.experts):
-                specs += _mlp(f"{p}mlp.experts.{e}.", h, s.expert_ffn if e < s.experts else s.vision_expert_ffn)
-            specs += _mlp(p + "mlp.shared_experts.", h, s.expert_ffn * s.shared_experts)
-        else:
-            specs += _mlp(p + "mlp.", h, s.ffn)
+        specs += _layer_specs(s, f"model.layers.{i}.", moe=i > 0)
     specs.append(("model.norm.weight", "BF16", (h,), "ones"))
     if s.family == "qwen2":
         specs.append(("lm_head.weight", "BF16", (s.vocab, h), "normal"))
     if s.vision is not None:
         specs += _vision_specs(s.vision, h)
+    if mtp:
+        specs += [("model.mtp_emb_norm.0.weight", "BF16", (h,), "ones"),
+                  ("model.mtp_hidden_norm.0.weight", "BF16", (h,), "ones"),
+                  ("model.mtp_linear_proj.0.weight", "BF16", (h, 2 * h), "normal")]
+        specs += _layer_specs(s, "model.mtp_block.0.", moe=layers > 1)
+    return specs
+
+
+def _layer_specs(s: ModelShape, p: str, moe: bool) -> list[Spec]:
+    """One decoder layer's tensors under prefix `p` (MoE families: `moe` says whether its MLP has experts)."""
+    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    specs = [(p + "input_layernorm.weight", "BF16", (h,), "ones"),
+             (p + "post_attention_layernorm.weight", "BF16", (h,), "ones"),
+             (p + "self_attn.q_proj.weight", "BF16", (q, h), "normal"),
+             (p + "self_attn.k_proj.weight", "BF16", (kv, h), "normal"),
+             (p + "self_attn.v_proj.weight", "BF16", (kv, h), "normal"),
+             (p + "self_attn.o_proj.weight", "BF16", (h, q), "normal")]
+    if s.family == "qwen2":
+        specs += [(p + f"self_attn.{n}_proj.bias", "BF16", (size,), "normal") for n, size in
+                  (("q", q), ("k", kv), ("v", kv))]
+    if s.family == "ernie_moe" and moe:
+        specs += [(p + "mlp.gate.weight", "F32", (s.experts, h), "normal"),
+                  (p + "mlp.moe_statics.e_score_correction_bias", "F32", (1, s.experts), "small")]
+        for e in range(s.experts):
+            specs += _mlp(f"{p}mlp.experts.{e}.", h, s.expert_ffn)
+        specs += _mlp(p + "mlp.shared_experts.", h, s.expert_ffn * s.shared_experts)
+    elif s.family == "ernie_vl" and moe:  # routers stored [hidden, experts]; experts: text, then vision
+        specs += [(p + "mlp.gate.weight", "F32", (h, s.experts), "normal"),
+                  (p + "mlp.gate.weight_1", "F32", (h, s.experts), "normal"),
+                  (p + "mlp.moe_statics.e_score_correction_bias", "F32", (2, s.experts), "small")]
+        for e in range(2 * s.experts):
+            specs += _mlp(f"{p}mlp.experts.{e}.", h, s.expert_ffn if e < s.experts else s.vision_expert_ffn)
+        specs += _mlp(p + "mlp.shared_experts.", h, s.expert_ffn * s.shared_experts)
+    else:
+        specs += _mlp(p + "mlp.", h, s.ffn)
     return specs
 
 
@@ -214,7 +227,7 @@ class _Pool:
             self.offset += n + 4099 * item  # a different phase next time
 
 
-def write_checkpoint(out: Path, shape: ModelShape, layers: int, progress: bool = True) -> None:
+def write_checkpoint(out: Path, shape: ModelShape, layers: int, progress: bool = True, mtp: bool = False) -> None:
     """Write config, tokenizer and sharded safetensors (+ index) into `out` unless already complete."""
     done = out / "model.safetensors.index.json"
     if done.exists():
@@ -222,7 +235,7 @@ def write_checkpoint(out: Path, shape: ModelShape, layers: int, progress: bool =
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    specs = tensor_specs(shape, layers)
+    specs = tensor_specs(shape, layers, mtp)
     shards: list[list[Spec]] = [[]]
     size = 0
     for spec in specs:
