@@ -70,6 +70,9 @@ struct StepBatch {
   const int64_t* sample_lists;  // with sample_params: the sampling op's token_lists (3R + 1 CSR offsets, then
                                 // the rows' banned, prompt and output ids), n_sample_lists int64 in all
   int64_t n_sample_lists;
+  const int64_t* hidden_rows;  // [n_hidden]: rows whose final-normed hidden states go to `hidden` (MTP drafting)
+  float* hidden;               // [n_hidden, hidden]
+  int64_t n_hidden;
 };
 
 // Where a step's time goes (the benchmarks report the share outside the weight-streaming GEMMs). Keep in
@@ -126,13 +129,13 @@ struct Buffers {
   float *resid, *x, *y, *qkv, *attn, *ug, *act, *cos, *sin, *rows_y, *rows_r, *moe_w;
   int64_t *moe_ids, *q_start, *slots;
   // The last layer's kept rows (kept_rows): each request's first kept row and first kept index, logit row r's
-  // index among them; no queries (B + 1 zeros) and no slots (-1s) for the attention calls that only write /
-  // only read.
-  int64_t *first, *kept_start, *logit_at, *no_queries, *no_slots;
+  // and hidden row h's index among them; no queries (B + 1 zeros) and no slots (-1s) for the attention calls
+  // that only write / only read.
+  int64_t *first, *kept_start, *logit_at, *hidden_at, *no_queries, *no_slots;
 };
 
 // Lays the buffers out in `base` (nullptr: only counts); returns the floats needed.
-int64_t carve(const StepModel& m, int64_t T, int64_t B, int64_t R, float* base, Buffers* b) {
+int64_t carve(const StepModel& m, int64_t T, int64_t B, int64_t R, int64_t n_hidden, float* base, Buffers* b) {
   const int64_t H = m.hidden, D = m.head_dim, QD = m.heads * D, KD = m.kv_heads * D;
   Carver c{base};
   b->resid = c.take(T * H);
@@ -145,7 +148,7 @@ int64_t carve(const StepModel& m, int64_t T, int64_t B, int64_t R, float* base, 
   b->cos = c.take(T * D / 2);
   b->sin = c.take(T * D / 2);
   b->rows_y = c.take(R * H);
-  b->rows_r = c.take(R * H);
+  b->rows_r = c.take(std::max(R, n_hidden) * H);  // the final norm's residual: logit rows', then hidden rows'
   b->moe_w = c.take(T * m.max_top_k);
   b->moe_ids = reinterpret_cast<int64_t*>(c.take(2 * T * m.max_top_k));
   b->q_start = reinterpret_cast<int64_t*>(c.take(2 * (B + 1)));
@@ -153,6 +156,7 @@ int64_t carve(const StepModel& m, int64_t T, int64_t B, int64_t R, float* base, 
   b->first = reinterpret_cast<int64_t*>(c.take(2 * B));
   b->kept_start = reinterpret_cast<int64_t*>(c.take(2 * (B + 1)));
   b->logit_at = reinterpret_cast<int64_t*>(c.take(2 * R));
+  b->hidden_at = reinterpret_cast<int64_t*>(c.take(2 * n_hidden));
   b->no_queries = reinterpret_cast<int64_t*>(c.take(2 * (B + 1)));
   b->no_slots = reinterpret_cast<int64_t*>(c.take(2 * T));
   return c.used;
@@ -261,6 +265,12 @@ bool check_batch(const StepModel& m, const StepBatch& s) {
   for (int64_t r = 0; r < s.R; ++r)
     if (s.logit_rows[r] < 0 || s.logit_rows[r] >= s.T)
       return fail("batch: logit row %lld outside [0, %lld)", (long long)s.logit_rows[r], (long long)s.T);
+  if (s.n_hidden < 0 || (s.n_hidden > 0 && (s.hidden_rows == nullptr || s.hidden == nullptr)))
+    return fail("batch: %lld hidden rows (need >= 0, and with any, their row indices and an output buffer)",
+                (long long)s.n_hidden);
+  for (int64_t h = 0; h < s.n_hidden; ++h)
+    if (s.hidden_rows[h] < 0 || s.hidden_rows[h] >= s.T)
+      return fail("batch: hidden row %lld outside [0, %lld)", (long long)s.hidden_rows[h], (long long)s.T);
   return s.sample_params == nullptr || check_sample_lists(m, s);
 }
 
@@ -285,8 +295,8 @@ bool cache_slots(const StepModel& m, const StepBatch& s, int64_t* q_start, int64
                                      (long long)s.T);
 }
 
-// The rows the last layer carries past its K/V: per request, its new tokens from its first logit row on (a
-// suffix, as attention's queries must be). No other row's output of the last layer is ever read, so for
+// The rows the last layer carries past its K/V: per request, its new tokens from its first logit or hidden row
+// on (a suffix, as attention's queries must be). No other row's output of the last layer is ever read, so for
 // them only K/V are computed and written (llama.cpp likewise drops them there). Returns how many rows are kept.
 int64_t kept_rows(const StepBatch& s, const Buffers& b) {
   const auto owner = [&](int64_t row) {  // the request whose new tokens hold the row
@@ -297,11 +307,19 @@ int64_t kept_rows(const StepBatch& s, const Buffers& b) {
     int64_t& first = b.first[owner(s.logit_rows[r])];
     first = std::min(first, s.logit_rows[r]);
   }
+  for (int64_t h = 0; h < s.n_hidden; ++h) {
+    int64_t& first = b.first[owner(s.hidden_rows[h])];
+    first = std::min(first, s.hidden_rows[h]);
+  }
   b.kept_start[0] = 0;
   for (int64_t i = 0; i < s.B; ++i) b.kept_start[i + 1] = b.kept_start[i] + b.q_start[i + 1] - b.first[i];
   for (int64_t r = 0; r < s.R; ++r) {
     const int64_t i = owner(s.logit_rows[r]);
     b.logit_at[r] = b.kept_start[i] + s.logit_rows[r] - b.first[i];
+  }
+  for (int64_t h = 0; h < s.n_hidden; ++h) {
+    const int64_t i = owner(s.hidden_rows[h]);
+    b.hidden_at[h] = b.kept_start[i] + s.hidden_rows[h] - b.first[i];
   }
   return b.kept_start[s.B];
 }
@@ -411,8 +429,8 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
   Workspace& ws = *static_cast<Workspace*>(workspace);
   Clock clock{ws.seconds};
   Buffers b{};
-  const int64_t need = carve(m, T, s.B, s.R, nullptr, &b);
-  carve(m, T, s.B, s.R, ws.reserve(need), &b);
+  const int64_t need = carve(m, T, s.B, s.R, s.n_hidden, nullptr, &b);
+  carve(m, T, s.B, s.R, s.n_hidden, ws.reserve(need), &b);
   if (!cache_slots(m, s, b.q_start, b.slots)) return 1;
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(b.cos + t * half, m.cos_table + s.positions[t] * half, half * sizeof(float));
@@ -446,8 +464,18 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
     clock.mark(kNorm);
     mlp_block(kt, L, rows, H, b, clock);
   }
+  // Only the rows that are handed back or need logits go through the final norm (a row's norm does not depend
+  // on the others, so gathering them gives the bits the layer path's norm of every row does).
+  if (s.n_hidden > 0) {
+    for (int64_t h = 0; h < s.n_hidden; ++h) {
+      const int64_t row = b.hidden_at[h];
+      std::memcpy(s.hidden + h * H, b.y + row * H, H * sizeof(float));
+      std::memcpy(b.rows_r + h * H, b.resid + row * H, H * sizeof(float));
+    }
+    kt.rms_norm(s.hidden, b.rows_r, m.final_norm, s.hidden, b.rows_r, s.n_hidden, H, m.eps);
+    clock.mark(kNorm);
+  }
   if (s.R == 0) return 0;
-  // Only the rows that need logits go through the final norm (a row's norm does not depend on the others).
   for (int64_t r = 0; r < s.R; ++r) {
     const int64_t row = b.logit_at[r];  // its row among the last layer's (the step's row when all are kept)
     std::memcpy(b.rows_y + r * H, b.y + row * H, H * sizeof(float));

@@ -4,6 +4,8 @@ family, checkpoint layout and weight format, through prefill chunks, decode step
 (The layer path itself is checked against transformers by the parity tests.)"""
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import paddle
 import pytest
 
 from fastdeploy import ops
-from fastdeploy.model_executor.forward_context import allocate_kv_caches
+from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
 from fastdeploy.step_types import block_table_array
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.model_executor.model_config import ModelConfig
@@ -199,6 +201,133 @@ def test_bad_token_lists_are_a_clear_error() -> None:
                         ([0, 1, 1, 1, -1], "token id"), ([0, 0, 0], "token list")):
         with pytest.raises(ValueError, match=what):
             compiled.forward_tokens(batch, InForward(table, np.asarray(lists, np.int64)))
+
+
+def hidden_steps(vocab: int, seed: int) -> list[ForwardBatch]:
+    """Steps asking for final-normed hidden rows (MTP drafting), on three requests: prompt chunks asking every
+    row with each request's last row's logits; decode rows with drafts (several query rows per request) asking
+    every row's logits and hidden; hidden rows unordered, repeated and overlapping logit rows; hidden rows
+    without any logit rows; and one request's hidden rows beside another's logit rows."""
+    rng = np.random.default_rng(seed)
+    done, tables = [0, 0, 0], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+    def step(counts: dict[int, int], logit_rows: list[int], hidden_rows: list[int] | None = None) -> ForwardBatch:
+        ids, pos, q, c, t = [], [], [], [], []
+        for r, n in counts.items():
+            ids += rng.integers(3, vocab, n).tolist()
+            pos += range(done[r], done[r] + n)
+            done[r] += n
+            q.append(n)
+            c.append(done[r])
+            t.append(tables[r])
+        every = list(range(len(ids)))
+        return ForwardBatch(np.asarray(ids, np.int64), np.asarray(pos, np.int64), q, c, t,
+                            np.asarray(logit_rows, np.int64),
+                            hidden_rows=np.asarray(every if hidden_rows is None else hidden_rows, np.int64))
+
+    return [step({0: 21, 1: 9}, [20, 29]),  # (a) prompt chunks
+            step({0: 5, 2: 6}, [4, 10]),
+            step({0: 4, 1: 3, 2: 2}, list(range(9))),  # (b) verifying drafts
+            step({0: 3, 1: 3}, [5, 2], [4, 1, 4, 0, 5, 2]),
+            step({0: 3, 1: 2}, [], [1, 2, 4]),  # (c) no logit rows
+            step({0: 2, 2: 4}, [1], [4, 3])]
+
+
+def layer_path(model, batch: ForwardBatch, caches: list[paddle.Tensor]) -> tuple[np.ndarray, np.ndarray | None]:
+    """The Paddle path's final-normed hidden states of every row (DecoderModel's output) and the logits of
+    the batch's logit rows, as run_step computes them."""
+    ctx = build_forward_context(batch.query_lens, batch.context_lens, batch.block_tables, BLOCK, caches)
+    with forward_context(ctx):
+        hidden = model.model(paddle.to_tensor(batch.token_ids), paddle.to_tensor(batch.positions))
+    if not len(batch.logit_rows):
+        return hidden.numpy(), None
+    return hidden.numpy(), model.compute_logits(paddle.gather(hidden, paddle.to_tensor(batch.logit_rows))).numpy()
+
+
+@pytest.mark.parametrize("quantization", [None, "wint4"])
+@pytest.mark.parametrize("name", ["ernie45_tiny_hf", "ernie45_moe_tiny_hf"])
+def test_hidden_rows_are_the_layer_paths_final_hidden_states(name: str, quantization: str | None) -> None:
+    """The compiled step hands back the layer path's final-normed hidden states of the rows asked for, bit for
+    bit, through forward and forward_tokens, with the layer path's logits (or tokens) and KV cache."""
+    model = load_model(ModelConfig.from_pretrained(MODELS / name), quantization=quantization)
+    cfg = model.config
+
+    def caches() -> list[paddle.Tensor]:
+        out = allocate_kv_caches(cfg.num_hidden_layers, 12, BLOCK, cfg.num_key_value_heads, cfg.head_dim, "bfloat16")
+        for c in out:
+            c.fill_(0.0)
+        return out
+
+    layer_caches, compiled_caches = caches(), caches()
+    compiled = CompiledDecoder.build(model, compiled_caches, BLOCK, MAX_LEN)
+    for i, batch in enumerate(hidden_steps(cfg.vocab_size, seed=11)):
+        hidden, logits = layer_path(model, batch, layer_caches)
+        if i % 2:
+            tokens = compiled.forward_tokens(batch)
+            assert tokens == ([] if logits is None else np.argmax(logits, axis=1).tolist()), f"step {i} tokens"
+        else:
+            got = compiled.forward(batch)
+            if logits is None:
+                assert got is None
+            else:
+                np.testing.assert_array_equal(got.numpy(), logits, err_msg=f"step {i} logits")
+        assert compiled.hidden.dtype == np.float32
+        assert compiled.hidden.shape == (len(batch.hidden_rows), cfg.hidden_size)
+        np.testing.assert_array_equal(compiled.hidden, hidden[batch.hidden_rows],
+                                      err_msg=f"step {i} hidden rows {batch.hidden_rows}")
+    for layer, (a, b) in enumerate(zip(layer_caches, compiled_caches)):
+        np.testing.assert_array_equal(a.astype("float32").numpy(), b.astype("float32").numpy(),
+                                      err_msg=f"layer {layer} KV cache")
+
+
+def test_asking_hidden_rows_leaves_the_logits_alone() -> None:
+    """The same batch with and without hidden rows (run twice on one cache: the second writes the same K/V to
+    the same slots) gives the same logits; a step without hidden rows hands back none, and a batch whose
+    arrays are the kept ones but whose hidden rows are new is read afresh."""
+    model = load_model(ModelConfig.from_pretrained(MODELS / "ernie45_moe_tiny_hf"))
+    cfg = model.config
+    kv = allocate_kv_caches(cfg.num_hidden_layers, 4, BLOCK, cfg.num_key_value_heads, cfg.head_dim, "bfloat16")
+    compiled = CompiledDecoder.build(model, kv, BLOCK, MAX_LEN)
+    ids = np.random.default_rng(2).integers(3, cfg.vocab_size, 12)
+    plain = ForwardBatch(ids, np.arange(12, dtype=np.int64), np.asarray([7, 5]), np.asarray([7, 5]),
+                         np.asarray([[0], [1]], np.int64), np.asarray([6, 11], np.int64))
+    expected = compiled.forward(plain).numpy()
+    assert compiled.hidden.shape == (0, cfg.hidden_size)
+    asking = dataclasses.replace(plain, hidden_rows=np.asarray([0, 3, 9, 6], np.int64))
+    np.testing.assert_array_equal(compiled.forward(asking).numpy(), expected)
+    first = compiled.hidden
+    assert first.shape == (4, cfg.hidden_size)
+    again = dataclasses.replace(plain, hidden_rows=np.asarray([9], np.int64))  # same arrays, new hidden rows
+    np.testing.assert_array_equal(compiled.forward(again).numpy(), expected)
+    np.testing.assert_array_equal(compiled.hidden, first[2:3])
+    compiled.forward(plain)
+    assert compiled.hidden.shape == (0, cfg.hidden_size) and first.shape == (4, cfg.hidden_size)
+
+
+def test_bad_hidden_rows_are_a_clear_error_before_any_work() -> None:
+    """A hidden row outside the step's rows is refused, naming it, and nothing (the KV cache here) is written."""
+    model = load_model(ModelConfig.from_pretrained(MODELS / "qwen2_tiny"))
+    cfg = model.config
+    kv = allocate_kv_caches(cfg.num_hidden_layers, 4, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    for c in kv:
+        c.fill_(0.0)
+    compiled = CompiledDecoder.build(model, kv, BLOCK, MAX_LEN)
+    for logit_rows, hidden_rows in (([1], [0, 2]), ([1], [-1]), ([], [3])):
+        batch = ForwardBatch(np.ones(2, np.int64), np.arange(2, dtype=np.int64), [2], [2], [[0]],
+                             np.asarray(logit_rows, np.int64), hidden_rows=np.asarray(hidden_rows, np.int64))
+        with pytest.raises(ValueError, match=r"hidden row -?\d+ outside \[0, 2\)"):
+            compiled.forward(batch)
+        assert compiled.hidden.shape == (0, cfg.hidden_size)
+    # Through the library itself: a negative count, or rows without an output buffer.
+    good = ForwardBatch(np.ones(2, np.int64), np.arange(2, dtype=np.int64), [2], [2], [[0]],
+                        np.zeros(0, np.int64), hidden_rows=np.asarray([0], np.int64))
+    for field, value in (("n_hidden", -1), ("hidden", None)):
+        raw = compiled._batch(good)
+        raw.hidden = 0 if field == "n_hidden" else None
+        setattr(raw, field, value)
+        assert compiled._step(ctypes.byref(compiled._model), ctypes.byref(raw), compiled._workspace) == 1
+        assert b"hidden rows" in compiled._error()
+    assert all(not c.astype("float32").numpy().any() for c in kv)
 
 
 def test_multimodal_steps_run_compiled_only_without_vision_rows() -> None:

@@ -69,7 +69,8 @@ class _Batch(ctypes.Structure):
     _fields_ = [("ids", _ptr), ("positions", _ptr), ("q_lens", _ptr), ("ctx_lens", _ptr),
                 ("blocks", _ptr), ("logit_rows", _ptr), ("logits", _ptr), ("T", _i64), ("B", _i64),
                 ("max_blocks", _i64), ("R", _i64), ("argmax", _ptr), ("sample_params", _ptr),
-                ("sample_lists", _ptr), ("n_sample_lists", _i64)]
+                ("sample_lists", _ptr), ("n_sample_lists", _i64), ("hidden_rows", _ptr), ("hidden", _ptr),
+                ("n_hidden", _i64)]
 
 
 def _address(t: paddle.Tensor | None) -> int | None:
@@ -135,6 +136,11 @@ class CompiledDecoder:
             cos_table=described.cos.data_ptr(), sin_table=described.sin.data_ptr(),
             max_positions=described.max_positions, cache_kind=cache_kind(kv_caches[0]))
         self.vocab = described.vocab
+        self.hidden_size = described.hidden
+        # What `hidden` answers after a step without hidden rows: one shared empty array, no allocation per step.
+        self._no_hidden = np.empty((0, self.hidden_size), dtype=np.float32)
+        self._no_hidden.flags.writeable = False
+        self._hidden = self._no_hidden
         # forward_tokens' outputs: the logits (unread) and the tokens, as a view, and their addresses.
         self._scratch_logits = np.empty((0, self.vocab), dtype=np.float32)
         self._argmax = memoryview(b"")
@@ -163,6 +169,12 @@ class CompiledDecoder:
         out = np.zeros(len(PHASES), dtype=np.float64)
         self._phases(self._workspace, out.ctypes.data)
         return dict(zip(PHASES, out.tolist()))
+
+    @property
+    def hidden(self) -> np.ndarray:
+        """float32 [len(hidden_rows), hidden_size]: the last step's final-normed hidden states of its batch's
+        `hidden_rows` (the LM head's input), in their order; [0, hidden_size] when it asked for none."""
+        return self._hidden
 
     @classmethod
     def build(cls, model: nn.Layer, kv_caches: Sequence[paddle.Tensor], block_size: int,
@@ -230,8 +242,14 @@ class CompiledDecoder:
         batch = self._batch(inputs)
         batch.logits, batch.argmax, batch.sample_params = logits, tokens, sample_params
         batch.sample_lists, batch.n_sample_lists = sample_lists
+        n = batch.n_hidden  # a fresh array per step with hidden rows: the caller may keep it past the next step
+        hidden = np.empty((n, self.hidden_size), dtype=np.float32) if n else self._no_hidden
+        batch.hidden = hidden.ctypes.data if n else None
+        self._hidden = self._no_hidden  # until the call succeeds
         rc = self._step(ctypes.byref(self._model), ctypes.byref(batch), self._workspace)
-        if rc != 0:
+        if rc == 0:
+            self._hidden = hidden
+        else:
             raise ValueError(f"the compiled step refused its arguments: {self._error().decode()}" if rc == 1 else
                              "the compiled step cannot run: this CPU has neither AVX2+FMA nor AVX-512")
 
@@ -241,15 +259,17 @@ class CompiledDecoder:
         The engine moves a decoding batch on by updating its arrays in place (engine/step_builder.py's SteadyDecode), so
         when the library reads the arrays themselves, not copies, their _Batch is kept for the next step."""
         arrays = (inputs.token_ids, inputs.positions, inputs.query_lens, inputs.context_lens, inputs.block_tables,
-                  inputs.logit_rows)
+                  inputs.logit_rows, inputs.hidden_rows)
         if self._kept is not None and all(a is b for a, b in zip(arrays, self._kept[0])):
             return self._kept[1]
         ids, positions, q_lens, ctx_lens = (np.ascontiguousarray(a, dtype=np.int64) for a in arrays[:4])
         tables = np.ascontiguousarray(block_table_array(inputs.block_tables))
         rows = np.ascontiguousarray(inputs.logit_rows, dtype=np.int64)
-        given = (ids, positions, q_lens, ctx_lens, tables, rows)
+        hidden_rows = np.ascontiguousarray(inputs.hidden_rows, dtype=np.int64)
+        given = (ids, positions, q_lens, ctx_lens, tables, rows, hidden_rows)
         batch = _Batch(ids.ctypes.data, positions.ctypes.data, q_lens.ctypes.data, ctx_lens.ctypes.data,
                        tables.ctypes.data, rows.ctypes.data, None, len(ids), len(ctx_lens), tables.shape[1],
-                       len(rows), None)
+                       len(rows), None, hidden_rows=hidden_rows.ctypes.data, n_hidden=len(hidden_rows))
+        batch.arrays = given  # the library reads them through raw addresses: copies made here must outlive the call
         self._kept = (arrays, batch) if all(a is b for a, b in zip(arrays, given)) else None
         return batch
