@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from fastdeploy import LLM, SamplingParams
+from fastdeploy.engine.sampling_params import GuidedDecodingParams
 from fastdeploy.model_executor.checkpoint import Checkpoint
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
 from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward
@@ -253,7 +254,7 @@ def test_drafts_follow_the_reference_through_accepted_and_rejected_drafts(tmp_pa
 @pytest.mark.parametrize("fixture, k, quantization", [("ernie45_tiny_hf", 2, None), ("ernie45_moe_tiny_paddle", 1, "wint4")])
 def test_every_engine_setting_gives_the_same_outputs(tmp_path, monkeypatch, fixture, k, quantization) -> None:
     """Preemption (a small KV pool), chunked prefill with a small budget, prefix caching with n=2 samples, seeded
-    sampling, penalties, logprobs and prompt logprobs, stop strings and logit bias: the same outputs with MTP drafts
+    sampling, penalties, logprobs and prompt logprobs, stop strings, logit bias and a grammar: the same outputs with MTP drafts
     (oracle-corrected so that steps accept several) as without."""
     from tests.test_speculative import generate, repeating_prompts
 
@@ -266,7 +267,8 @@ def test_every_engine_setting_gives_the_same_outputs(tmp_path, monkeypatch, fixt
     params = [SamplingParams(max_tokens=20, temperature=0.9 if i % 2 else 0, seed=i, n=2 if i % 3 == 0 else 1,
                              logprobs=2 if i % 4 == 1 else None, prompt_logprobs=1 if i == 2 else None,
                              repetition_penalty=1.2 if i == 5 else 1.0, stop=[stops[i]] if stops[i] and i % 2 == 0 else None,
-                             logits_processors_args={"logit_bias": {7: 2.0}} if i == 3 else None)
+                             logits_processors_args={"logit_bias": {7: 2.0}} if i == 3 else None,
+                             guided_decoding=GuidedDecodingParams(regex="[0-9a-f ]{6,30}") if i == 4 else None)
               for i in range(len(prompts))]
     expected = generate(LLM(**engine), prompts, params)
     Oracle(expected, np.random.default_rng(2)).install(monkeypatch)

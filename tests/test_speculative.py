@@ -178,15 +178,23 @@ def test_tensor_parallel_two_ranks(monkeypatch) -> None:
     assert sum(o.metrics.num_accepted_tokens for o in got) > 0
 
 
-def test_requests_speculation_cannot_serve_decode_as_before(monkeypatch) -> None:
-    """Guided decoding and a reasoning limit turn drafting off for that request only; the rest draft."""
+def test_guided_requests_draft_within_their_grammar(monkeypatch) -> None:
+    """Guided decoding with drafts: a request's drafts are cut to what its grammar allows and each of its rows is
+    masked as the grammar stands after the drafts before it; outputs are those without speculation."""
     from fastdeploy.engine.sampling_params import GuidedDecodingParams
 
-    llm = LLM(model=model_path("ernie45_tiny_hf"), block_size=16, speculative_config=NGRAM)
-    prompts = repeating_prompts(2, seed=3)
-    outputs = generate(llm, prompts, [SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[0-9]+")),
-                                      SamplingParams(max_tokens=8)])
-    assert outputs[0].metrics.num_draft_tokens == 0
+    prompts = repeating_prompts(6, seed=3)
+    specs = [GuidedDecodingParams(regex="[0-9]{4,40}"), GuidedDecodingParams(regex="(ab|cd|[0-9])+"),
+             GuidedDecodingParams(choice=["alpha beta gamma", "delta epsilon"]), None]
+    params = [SamplingParams(max_tokens=24, guided_decoding=specs[i % 4], seed=i,
+                             temperature=0 if i % 2 == 0 else 0.8) for i in range(len(prompts))]
+    expected, got, _ = oracle_run(monkeypatch, prompts, params, model=model_path("ernie45_tiny_hf"), block_size=16)
+    assert [o.outputs.token_ids for o in got] == [o.outputs.token_ids for o in expected]
+    assert [o.outputs.text for o in got] == [o.outputs.text for o in expected]
+    assert [o.outputs.finish_reason for o in got] == [o.outputs.finish_reason for o in expected]
+    guided = [o for o, p in zip(got, params) if p.guided_decoding is not None]
+    assert sum(o.metrics.num_accepted_tokens for o in guided) > 10
+    assert sum(o.metrics.num_draft_tokens - o.metrics.num_accepted_tokens for o in guided) > 0
 
 
 def test_ngram_drafts_on_the_demo_model_are_accepted_and_change_nothing() -> None:

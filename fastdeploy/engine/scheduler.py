@@ -185,6 +185,8 @@ class Scheduler:
         worth = drafter.k if drafter.runs_in_step else drafter.length(self.draft_threshold)
         limit = min(room, request.max_tokens - request.num_output_tokens - 1, worth)
         drafts = request.drafter.propose(request.token_ids, limit) if limit > 0 else []
+        if drafts and request.grammar is not None:
+            drafts = drafts[:request.grammar.valid_drafts(drafts)]  # only what the grammar allows is worth checking
         if drafts and self.block_manager.free_after(request, 1 + len(drafts)) < 0:
             drafts = []  # drafts never push a request out of the cache
         request.draft_token_ids = drafts

@@ -46,13 +46,19 @@ class StructuredOutputManager:
 
     def start_masks(self, step: ScheduledStep) -> GrammarMasks | None:
         """Put the constrained sampling rows and their bitmask (being filled on the worker thread) on the
-        step's model input; the handle to wait on, or None when no row is constrained."""
-        rows = [j for j, r in enumerate(step.samplers)
-                if r.grammar is not None and r.grammar.active and not r.forced_tokens]
+        step's model input; the handle to wait on, or None when no row is constrained. A drafting request's
+        row after j drafts is masked as the grammar stands after them."""
+        rows, drafts, seen = [], [], {}
+        for j, r in enumerate(step.rows):
+            offset = seen[id(r)] = seen.get(id(r), -1) + 1
+            if r.grammar is not None and r.grammar.active and not r.forced_tokens:
+                rows.append(j)
+                drafts.append(r.draft_token_ids[:offset])
         if not rows:
             return None
         banned = step.model_input.sampling.banned_token_ids
-        bitmask, masks = self.guided.start_masks([step.samplers[j].grammar for j in rows], [banned[j] for j in rows])
+        bitmask, masks = self.guided.start_masks([step.rows[j].grammar for j in rows], [banned[j] for j in rows],
+                                                 drafts)
         step.model_input.guided_rows = np.asarray(rows, dtype=np.int64)
         step.model_input.token_bitmask = bitmask
         return masks

@@ -61,6 +61,23 @@ class GrammarState:
             return ok
         return not self.matcher.is_error()
 
+    def valid_drafts(self, drafts: Sequence[int]) -> int:
+        """How many of `drafts` (tokens proposed after the output so far) the grammar allows in a row, stopping
+        before one that would complete it: the request ends at that token, so it must be the step's last."""
+        if self.start is None:
+            return len(drafts)  # the constraint has not begun (a thinking part)
+        matcher, consumed, completes = self.matcher, 0, False
+        for token in drafts[:matcher.validate_tokens(list(drafts))]:
+            if matcher.is_stopped() or not matcher.consume_token(token):
+                break
+            consumed += 1
+            if matcher.is_stopped():
+                completes = True
+                break
+        if consumed:
+            matcher.rollback(consumed)
+        return consumed - completes
+
     @property
     def finished(self) -> bool:
         """The grammar is complete: nothing but the end of the sequence may follow."""
@@ -146,21 +163,28 @@ class GuidedDecoding:
             matcher = template.deep_copy()
         return GrammarState(matcher, start=None if after_reasoning else 0)
 
-    def start_masks(self, states: Sequence[GrammarState], banned: Sequence[Sequence[int]]
-                    ) -> tuple[np.ndarray, GrammarMasks]:
+    def start_masks(self, states: Sequence[GrammarState], banned: Sequence[Sequence[int]],
+                    drafts: Sequence[Sequence[int]] | None = None) -> tuple[np.ndarray, GrammarMasks]:
         """The bitmask [len(states), words] int32 of these sampling rows (bit t of a row: token t allowed),
         filled on the worker thread; wait on the returned handle before reading it. `banned`: each row's
-        ids the sampler will ban (EOS below min_tokens, bad words)."""
+        ids the sampler will ban (EOS below min_tokens, bad words). `drafts`: per row, the speculative drafts
+        before its position (valid_drafts checked them): its mask is the one after them."""
         bitmask = np.empty((len(states), self.mask_words), dtype=np.int32)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdeploy-grammar")
-        return bitmask, GrammarMasks(self._pool.submit(_fill, list(states), list(banned), bitmask), self)
+        before = list(drafts) if drafts is not None else [()] * len(states)
+        return bitmask, GrammarMasks(self._pool.submit(_fill, list(states), list(banned), before, bitmask), self)
 
 
-def _fill(states: list[GrammarState], banned: list[Sequence[int]], bitmask: np.ndarray) -> None:
+def _fill(states: list[GrammarState], banned: list[Sequence[int]], drafts: list[Sequence[int]],
+          bitmask: np.ndarray) -> None:
     for i, state in enumerate(states):
         try:
+            if drafts[i]:  # the row after drafts: its mask from the state they lead to, then back
+                state.matcher.consume_tokens(list(drafts[i]))
             ll_numpy.fill_next_token_bitmask(state.matcher, bitmask, i)  # drops the GIL
+            if drafts[i]:
+                state.matcher.rollback(len(drafts[i]))
         except Exception as e:  # noqa: BLE001 - this row's matcher only: its request fails after the step
             bitmask[i] = -1
             state.failure = e
