@@ -197,6 +197,21 @@ def test_guided_requests_draft_within_their_grammar(monkeypatch) -> None:
     assert sum(o.metrics.num_draft_tokens - o.metrics.num_accepted_tokens for o in guided) > 0
 
 
+def test_reasoning_limits_with_drafts(monkeypatch) -> None:
+    """Drafts that run past a request's thinking budget are taken back where the end of thinking is forced (their
+    uniforms too): greedy and seeded outputs, and the reasoning/answer split, are those without speculation."""
+    prompts = repeating_prompts(6, seed=11)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, reasoning_max_tokens=3 + 2 * i, seed=i,
+                             temperature=0 if i % 2 else 0.9) for i in range(len(prompts))]
+    expected, got, _ = oracle_run(monkeypatch, prompts, params, model=model_path("ernie45_tiny_hf"), block_size=16,
+                                  reasoning_parser="ernie-x1")
+    assert [o.outputs.token_ids for o in got] == [o.outputs.token_ids for o in expected]
+    assert [(o.outputs.reasoning_content, o.outputs.text) for o in got] == \
+        [(o.outputs.reasoning_content, o.outputs.text) for o in expected]
+    assert all("</think>" not in o.outputs.reasoning_content for o in got)
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 10
+
+
 def test_ngram_drafts_on_the_demo_model_are_accepted_and_change_nothing() -> None:
     """The real drafter on the bundled model: its Python-documentation prose repeats itself enough for
     prompt lookup to be right often; greedy and seeded outputs are the same as without."""

@@ -199,11 +199,11 @@ class LLMEngine:
         return request
 
     def _drafter(self, request: Request) -> NgramDrafter | MtpDrafter | None:
-        """The request's draft source under speculative_config, if speculation can serve it: not for media or
-        a reasoning limit (a forced end of thinking would have to cut a step's accepted drafts). A grammar's
-        requests draft what it allows (Scheduler._draft), each row masked after the drafts before it."""
+        """The request's draft source under speculative_config, if speculation can serve it: not for media. A
+        grammar's requests draft what it allows (Scheduler._draft), each row masked after the drafts before it;
+        drafts past a reasoning limit are taken back where the output processor forces the end of thinking."""
         spec = self.config.speculative
-        if spec is None or request.mm is not None or request.params.reasoning_max_tokens is not None:
+        if spec is None or request.mm is not None:
             return None
         return MtpDrafter(spec) if spec.method == "mtp" else NgramDrafter(spec)
 

@@ -67,6 +67,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     drafter: NgramDrafter | MtpDrafter | None = None
     pending_uniforms: list[float] = field(default_factory=list)
+    spent_uniforms: list[float] = field(default_factory=list)  # those of the last step's tokens (see take_back)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -115,7 +116,15 @@ class Request:
     def use_uniforms(self, count: int) -> None:
         """`count` output positions were filled: their uniforms are used."""
         if self.pending_uniforms:
+            self.spent_uniforms = self.pending_uniforms[:count]
             del self.pending_uniforms[:count]
+
+    def unuse_uniforms(self, count: int) -> None:
+        """The last `count` of the last step's output positions were taken back: their uniforms are again the
+        next positions', as they would have been had the step not brought them."""
+        if count and self.spent_uniforms:
+            self.pending_uniforms[:0] = self.spent_uniforms[-count:]
+            self.spent_uniforms = self.spent_uniforms[:-count]
 
     @property
     def wants_prompt_logprobs(self) -> bool:

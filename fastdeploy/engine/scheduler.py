@@ -182,6 +182,9 @@ class Scheduler:
         (Drafter.length; an MTP request's were limited when it drafted them) and never more than its max_tokens
         leaves after the token it samples anyway); how many."""
         drafter = request.drafter
+        if request.forced_tokens:  # the step emits a forced token (the end of a cut thinking part), no draft after it
+            request.draft_token_ids = []
+            return 0
         worth = drafter.k if drafter.runs_in_step else drafter.length(self.draft_threshold)
         limit = min(room, request.max_tokens - request.num_output_tokens - 1, worth)
         drafts = request.drafter.propose(request.token_ids, limit) if limit > 0 else []
@@ -262,10 +265,11 @@ class Scheduler:
         return step.samplers
 
     def take_back(self, request: Request, count: int) -> None:
-        """Drop the last `count` emitted tokens of a request that a stop string finished: a step's drafts took
-        it past the stop (speculation is off for requests with a reasoning limit, the other cut)."""
+        """Drop the last `count` tokens a step emitted: its drafts took the request past a stop string or past
+        the end of its thinking budget (reasoning_max_tokens), where the output processor cut it."""
         if count:
             del request.token_ids[-count:]
+            request.unuse_uniforms(count)
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
 
     def _check_stop(self, request: Request, token: int) -> None:
