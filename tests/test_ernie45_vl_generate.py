@@ -232,3 +232,18 @@ def test_placeholder_token_ids_without_media_are_refused(llm):
     case = next(c for c in CASES if c["name"] == "one_image")
     out = llm.generate([{"prompt_token_ids": case["input_ids"]}], GREEDY, use_tqdm=False)[0]
     assert out.error_code == 400 and "no media" in out.error_msg
+
+
+def test_ngram_drafts_keep_the_reference_tokens(llm, monkeypatch):
+    """Speculative decoding with media: drafts (the reference continuation, some tokens changed) verified after
+    the images and videos give transformers' tokens; their positions are text positions after the prompt."""
+    from test_speculative import OracleDrafter
+
+    expected = llm.generate([generate_prompt(c) for c in CASES], GREEDY, use_tqdm=False)
+    monkeypatch.setattr("fastdeploy.engine.engine.NgramDrafter", OracleDrafter(expected, np.random.default_rng(4)))
+    drafting = LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0, dtype="float32",
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    outs = drafting.generate([generate_prompt(c) for c in CASES], GREEDY, use_tqdm=False)
+    for case, out in zip(CASES, outs):
+        assert out.outputs.token_ids == case["output_token_ids"], case["name"]
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > len(CASES)

@@ -199,11 +199,12 @@ class LLMEngine:
         return request
 
     def _drafter(self, request: Request) -> NgramDrafter | MtpDrafter | None:
-        """The request's draft source under speculative_config, if speculation can serve it: not for media. A
-        grammar's requests draft what it allows (Scheduler._draft), each row masked after the drafts before it;
-        drafts past a reasoning limit are taken back where the output processor forces the end of thinking."""
+        """The request's draft source under speculative_config. A grammar's requests draft what it allows
+        (Scheduler._draft), each row masked after the drafts before it; drafts past a reasoning limit are taken
+        back where the output processor forces the end of thinking; a multimodal request's drafts follow its
+        prompt, so they take text positions (step_inputs.chunk_inputs)."""
         spec = self.config.speculative
-        if spec is None or request.mm is not None:
+        if spec is None:
             return None
         return MtpDrafter(spec) if spec.method == "mtp" else NgramDrafter(spec)
 
