@@ -101,21 +101,28 @@ def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> Non
     assert assert_same_bits(model, schedule(model.config.vocab_size, seed=len(name)), kv_dtype) > 0
 
 
+
+def chunks(rng: np.random.Generator, vocab: int, counts: dict[int, int], done: list[int], tables: list[list[int]]
+           ) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
+    """One step's ragged batch: `counts[r]` random tokens for request r after its `done[r]` (moved on)."""
+    ids, pos, q, c, t = [], [], [], [], []
+    for r, n in counts.items():
+        ids += rng.integers(3, vocab, n).tolist()
+        pos += range(done[r], done[r] + n)
+        done[r] += n
+        q.append(n)
+        c.append(done[r])
+        t.append(tables[r])
+    return ids, pos, q, c, t
+
 def random_steps(vocab: int, seed: int) -> list[ForwardBatch]:
     """Six steps of chunks of one to three requests (at most 10 tokens each, within 4 blocks of 16), with up
     to four logit rows drawn anywhere in the step (so repeated, unordered, or none; none in the first)."""
     rng = np.random.default_rng(seed)
     done, tables, steps = [0, 0, 0], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], []
     for step in range(6):
-        ids, pos, q, c, t = [], [], [], [], []
-        for r in rng.permutation(3)[:rng.integers(1, 4)]:
-            n = int(rng.integers(1, 11))
-            ids += rng.integers(3, vocab, n).tolist()
-            pos += range(done[r], done[r] + n)
-            done[r] += n
-            q.append(n)
-            c.append(done[r])
-            t.append(tables[r])
+        chosen = rng.permutation(3)[:rng.integers(1, 4)]
+        ids, pos, q, c, t = chunks(rng, vocab, {int(r): int(rng.integers(1, 11)) for r in chosen}, done, tables)
         rows = rng.integers(0, len(ids), int(rng.integers(0, 5))) if step else np.zeros(0, np.int64)
         steps.append(ForwardBatch(np.asarray(ids, np.int64), np.asarray(pos, np.int64), q, c, t,
                                   rows.astype(np.int64)))
@@ -212,14 +219,7 @@ def hidden_steps(vocab: int, seed: int) -> list[ForwardBatch]:
     done, tables = [0, 0, 0], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
     def step(counts: dict[int, int], logit_rows: list[int], hidden_rows: list[int] | None = None) -> ForwardBatch:
-        ids, pos, q, c, t = [], [], [], [], []
-        for r, n in counts.items():
-            ids += rng.integers(3, vocab, n).tolist()
-            pos += range(done[r], done[r] + n)
-            done[r] += n
-            q.append(n)
-            c.append(done[r])
-            t.append(tables[r])
+        ids, pos, q, c, t = chunks(rng, vocab, counts, done, tables)
         every = list(range(len(ids)))
         return ForwardBatch(np.asarray(ids, np.int64), np.asarray(pos, np.int64), q, c, t,
                             np.asarray(logit_rows, np.int64),

@@ -228,7 +228,7 @@ def reference_drafts(model, c: dict, tokens: list[int], drafts: list[int], kv_ca
 def test_drafts_follow_the_reference_through_accepted_and_rejected_drafts(tmp_path, monkeypatch, fixture, k) -> None:
     """Whatever a step accepted, the MTP layer's cache holds exactly the rows a whole-sequence run would, so every
     draft is what the reference drafts from the request's tokens at that point."""
-    from tests.test_speculative import generate, mixed_params, repeating_prompts
+    from tests.test_speculative import generate, repeating_prompts
 
     layer_path_only(monkeypatch)
     path = with_mtp(tmp_path, fixture, seed=3)
@@ -256,7 +256,7 @@ def test_every_engine_setting_gives_the_same_outputs(tmp_path, monkeypatch, fixt
     """Preemption (a small KV pool), chunked prefill with a small budget, prefix caching with n=2 samples, seeded
     sampling, penalties, logprobs and prompt logprobs, stop strings, logit bias and a grammar: the same outputs with MTP drafts
     (oracle-corrected so that steps accept several) as without."""
-    from tests.test_speculative import generate, repeating_prompts
+    from tests.test_speculative import assert_same_outputs, generate, repeating_prompts
 
     path = with_mtp(tmp_path, fixture, seed=5)
     prompts = repeating_prompts(8, seed=5)
@@ -275,10 +275,7 @@ def test_every_engine_setting_gives_the_same_outputs(tmp_path, monkeypatch, fixt
     llm = LLM(**engine, speculative_config={"method": "mtp", "num_speculative_tokens": k})
     got = generate(llm, prompts, params)
     assert llm.engine.scheduler.num_preemptions > 0
-    for a, b in zip(got, expected):
-        assert a.outputs.token_ids == b.outputs.token_ids and a.outputs.text == b.outputs.text
-        assert a.outputs.finish_reason == b.outputs.finish_reason
-        assert a.outputs.logprobs == b.outputs.logprobs and a.prompt_logprobs == b.prompt_logprobs
+    assert_same_outputs(got, expected)
     assert sum(o.metrics.num_accepted_tokens for o in got) > 0
 
 

@@ -162,11 +162,16 @@ def test_with_logprobs_stop_strings_bias_samples_preemption_and_chunks(monkeypat
     expected, got, llm = oracle_run(monkeypatch, prompts, params, **engine)
     assert llm.engine.scheduler.num_preemptions > 0
     assert any(o.outputs.finish_reason == "stop" for o in expected)
-    for a, b in zip(got, expected):
+    assert_same_outputs(got, expected)
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+
+
+def assert_same_outputs(got: list, expected: list) -> None:
+    """Tokens, text, finish reasons, logprobs and prompt logprobs all the same."""
+    for a, b in zip(got, expected, strict=True):
         assert a.outputs.token_ids == b.outputs.token_ids and a.outputs.text == b.outputs.text
         assert a.outputs.finish_reason == b.outputs.finish_reason
         assert a.outputs.logprobs == b.outputs.logprobs and a.prompt_logprobs == b.prompt_logprobs
-    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
 
 
 def test_tensor_parallel_two_ranks(monkeypatch) -> None:
