@@ -78,7 +78,10 @@ class CompletionOutput:
     logprob: float | None = None  # the last token's logprob (None unless logprobs were asked for)
     top_logprobs: None = None  # FastDeploy's raw per-step lists; always None here (see `logprobs`)
     logprobs: list[dict[int, Logprob]] | None = None
-    draft_token_ids: list[int] = field(default_factory=list)  # always [] (no speculative decoding)
+    draft_token_ids: list[int] = field(default_factory=list)  # always [] (drafts are verified in the engine)
+    # Speculative decoding with MTP, when logprobs were asked for: per output token (as `logprobs`), the MTP
+    # layer's logprobs where it drafted that token and the draft was accepted, else None.
+    draft_logprobs: list[dict[int, Logprob] | None] | None = None
     text: str | None = None
     reasoning_content: str | None = None
     # OpenAI-shaped calls parsed from the text (chat with tools and an LLM tool_call_parser); in stream
@@ -90,12 +93,14 @@ class CompletionOutput:
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["logprobs"] = _logprobs_to_dict(self.logprobs)
+        d["draft_logprobs"] = _logprobs_to_dict(self.draft_logprobs)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CompletionOutput:
         _check_keys(cls, d)
-        return cls(**{**d, "logprobs": _logprobs_from_dict(d.get("logprobs"))})
+        return cls(**{**d, "logprobs": _logprobs_from_dict(d.get("logprobs")),
+                      "draft_logprobs": _logprobs_from_dict(d.get("draft_logprobs"))})
 
 
 @dataclass(slots=True)

@@ -147,17 +147,22 @@ class MtpDrafter(Drafter):
     hands them over with the number of tokens they follow; `propose` gives them while they still follow the
     request's tokens (a stop string taken back or a preemption makes them stale)."""
 
-    __slots__ = ("drafts", "after", "limit")
+    __slots__ = ("drafts", "logprobs", "after", "limit")
     runs_in_step = True  # every step of the request feeds the MTP layer
 
     def __init__(self, config: SpeculativeConfig) -> None:
         super().__init__(config)
         self.drafts: list[int] = []
+        self.logprobs: list[Any] = []  # the drafts' TopLogprobs when the request asked for logprobs
         self.after = -1  # len(token_ids) the drafts follow
         self.limit = 0  # drafts the runner makes after this step (the scheduler sets it: see Scheduler._lookahead)
 
-    def offer(self, drafts: list[int], num_tokens: int) -> None:
-        self.drafts, self.after = drafts, num_tokens
+    def offer(self, drafts: list[int], num_tokens: int, logprobs: list[Any]) -> None:
+        self.drafts, self.logprobs, self.after = drafts, logprobs, num_tokens
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         return self.drafts[:limit] if len(tokens) == self.after else []
+
+    def accepted_logprobs(self, accepted: int) -> list[Any]:
+        """The logprobs of the first `accepted` drafts proposed (those the step emitted), if any were made."""
+        return self.logprobs[:accepted]

@@ -196,6 +196,7 @@ class MtpRows:
     first_sample: np.ndarray  # int64 [M]: its first sampling row, or -1 for a prompt chunk that does not sample
     next_token: np.ndarray  # int64 [M]: for such a chunk, the prompt token after it (else unread)
     draft_limit: np.ndarray  # int64 [M]: tokens to draft for its next step (0: only the MTP cache is filled)
+    logprobs_k: np.ndarray  # int64 [M]: top entries of each draft's logprobs to hand back (-1: none asked)
 
 
 @dataclass(slots=True)
@@ -246,6 +247,7 @@ class ModelRunnerOutput:
     logprobs: list[TopLogprobs] = field(default_factory=list)  # one per SchedulerOutput.logprob_rows entry
     prompt_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per prompt row
     draft_token_ids: list[list[int]] = field(default_factory=list)  # per MtpRows entry, its next step's drafts
+    draft_logprobs: list[list[TopLogprobs]] = field(default_factory=list)  # per entry, its drafts' (logprobs_k)
 
 
 def block_table_array(tables: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:

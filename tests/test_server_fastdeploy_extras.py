@@ -144,7 +144,6 @@ def test_bad_words_on_both_endpoints(server, llm):
 
 
 @pytest.mark.parametrize("field, refused, neutral", [
-    ("include_draft_logprobs", True, False),
     ("mm_hashes", ["0123abcd"], []),
     ("metadata", {"max_streaming_response_tokens": 2}, {}),
     ("logits_processors_args", {"my_processor": {"k": 1}}, {}),

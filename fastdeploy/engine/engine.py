@@ -306,10 +306,13 @@ class LLMEngine:
                     processor.add_logprobs(request, tokens[j], top)
                 except Exception as e:  # noqa: BLE001
                     self._fail_request(request, e, "logprobs")
-        for request, emitted in zip(step.samplers, step.emitted):
+        for request, emitted, draft_tops in zip(step.samplers, step.emitted, step.draft_logprobs):
             for i, token in enumerate(emitted):
                 if request.error_code >= 500:
                     break
+                if i < len(draft_tops):  # an accepted MTP draft, its logprobs asked for
+                    processor.add_draft_logprobs(request, request.num_output_tokens - len(emitted) + i, token,
+                                                 draft_tops[i])
                 try:
                     events = processor.on_token(request, token)
                 except Exception as e:  # noqa: BLE001 - detokenizer, stop strings, reasoning

@@ -98,6 +98,7 @@ class TextState:
     num_reasoning_tokens: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # position 0 has none
+    draft_logprobs: list[dict[int, Logprob] | None] | None = None  # per output token: an accepted MTP draft's
     sent_tokens: int = 0
     sent_text: int = 0
     sent_reasoning: int = 0
@@ -181,6 +182,13 @@ class OutputProcessor:
             state.logprobs = []
         state.logprobs.append(self.logprob_entry(token, top))
 
+    def add_draft_logprobs(self, request: Request, position: int, token: int, top: TopLogprobs) -> None:
+        """The MTP layer's logprobs for output token `position`, an accepted draft."""
+        state = self.states[request.request_id]
+        entries = state.draft_logprobs = state.draft_logprobs or []
+        entries += [None] * (position - len(entries))
+        entries.append(self.logprob_entry(token, top))
+
     def add_prompt_logprobs(self, request: Request, position: int, top: TopLogprobs) -> None:
         """Logprobs of prompt token position + 1; a position seen before a preemption is not added twice."""
         entries = self.states[request.request_id].prompt_logprobs
@@ -215,13 +223,16 @@ class OutputProcessor:
         reasoning, text, calls = self._split(request, state)
         tool_calls = [call_dict(c, i) for c, i in zip(calls, state.call_ids)] if calls else None
         token_ids = request.output_token_ids
-        logprobs, prompt_logprobs = state.logprobs, state.prompt_logprobs
+        logprobs, prompt_logprobs, drafts = state.logprobs, state.prompt_logprobs, state.draft_logprobs
+        if drafts is not None:
+            drafts = drafts + [None] * (len(token_ids) - len(drafts))
         last = logprobs[-1].get(token_ids[-1]) if logprobs and token_ids else None
         last_logprob = None if last is None else last.logprob
         if delta:
             sent_tokens = state.sent_tokens
             prompt_logprobs = prompt_logprobs if sent_tokens == 0 else None  # sent with the first delta
             token_ids, logprobs = token_ids[sent_tokens:], logprobs[sent_tokens:] if logprobs else logprobs
+            drafts = drafts[sent_tokens:] if drafts else drafts
             new_text, new_reasoning = text[state.sent_text:], reasoning
             if reasoning is not None:
                 new_reasoning = reasoning[state.sent_reasoning:]
@@ -235,7 +246,7 @@ class OutputProcessor:
         completion = CompletionOutput(
             index=state.index, send_idx=max(request.num_output_tokens - 1, 0), token_ids=token_ids, text=text,
             reasoning_content=reasoning, logprob=last_logprob, logprobs=logprobs, finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason, tool_calls=tool_calls)
+            stop_reason=request.stop_reason, tool_calls=tool_calls, draft_logprobs=drafts)
         return RequestOutput(
             request_id=request.request_id, prompt=state.prompt, prompt_token_ids=request.prompt_token_ids,
             outputs=completion, finished=request.is_finished, metrics=replace(request.metrics),  # a snapshot

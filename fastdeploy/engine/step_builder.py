@@ -45,6 +45,7 @@ class ScheduledStep:
     model_input: SchedulerOutput
     rows: list[Request]  # the request of each sampling row: the samplers, a drafting one once per position
     emitted: list[list[int]] = field(default_factory=list)  # per sampler, its tokens (set by update_from_output)
+    draft_logprobs: list[list] = field(default_factory=list)  # per sampler, its accepted MTP drafts' TopLogprobs
 
 
 def sampling_batch(requests: list[Request], offsets: list[int] | None = None) -> SamplingBatch:
@@ -169,7 +170,14 @@ def add_mtp_rows(model_input: SchedulerOutput, requests: list[Request], sampling
         batch_index=_int64(mtp), num_drafts=_int64([len(requests[i].draft_token_ids) for i in mtp]),
         first_sample=_int64([first_row.get(i, -1) for i in mtp]),
         next_token=_int64([-1 if i in first_row else requests[i].token_ids[int(forward.context_lens[i])] for i in mtp]),
-        draft_limit=_int64([requests[i].drafter.limit for i in mtp]))
+        draft_limit=_int64([requests[i].drafter.limit for i in mtp]),
+        logprobs_k=_int64([_draft_logprobs_k(requests[i].params.logprobs) for i in mtp]))
+
+
+def _draft_logprobs_k(logprobs: int | None) -> int:
+    """Top entries of a draft's logprobs: the request's logprobs, at most 20 (FastDeploy's cap; -1: the whole
+    vocabulary for its own tokens, 20 for drafts); -1 when it asked for none."""
+    return -1 if logprobs is None else 20 if logprobs == -1 else min(logprobs, 20)
 
 
 def plain_decoder(request: Request) -> bool:

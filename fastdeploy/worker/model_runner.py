@@ -179,7 +179,7 @@ class ModelRunner:
         else:
             output = self.sampling(step, self._layer_forward(step.forward), wait_for_masks)
         if step.mtp is not None:
-            output.draft_token_ids = self.mtp.propose(step, output.sampled_token_ids, hidden)
+            output.draft_token_ids, output.draft_logprobs = self.mtp.propose(step, output.sampled_token_ids, hidden)
         return output
 
     def _forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:

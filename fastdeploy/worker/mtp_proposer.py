@@ -22,16 +22,17 @@ from paddle import nn
 
 from fastdeploy.model_executor.forward_context import build_forward_context, forward_context
 from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward
-from fastdeploy.step_types import SchedulerOutput
+from fastdeploy.step_types import SchedulerOutput, TopLogprobs
 
 
 class MtpProposer:
     def __init__(self, model: nn.Layer, kv_caches: Sequence[paddle.Tensor], block_size: int) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
 
-    def propose(self, step: SchedulerOutput, sampled: Sequence[int], hidden: paddle.Tensor) -> list[list[int]]:
-        """Each MtpRows entry's drafts for its next step; `hidden` [len(hidden_rows), H]: the main model's final
-        hidden states of step.forward.hidden_rows."""
+    def propose(self, step: SchedulerOutput, sampled: Sequence[int], hidden: paddle.Tensor
+                ) -> tuple[list[list[int]], list[list[TopLogprobs]]]:
+        """Each MtpRows entry's drafts for its next step, and their logprobs where asked (MtpRows.logprobs_k);
+        `hidden` [len(hidden_rows), H]: the main model's final hidden states of step.forward.hidden_rows."""
         forward, rows = step.forward, step.mtp
         starts = np.concatenate([[0], np.cumsum(forward.query_lens)])
         ids: list[int] = []
@@ -64,12 +65,20 @@ class MtpProposer:
         ends = [p + 1 for p in np.asarray(positions)[tail_at].tolist()]
         out = self._run(ids, positions, lens, ends, table, paddle.gather(hidden, paddle.to_tensor(sources)))
         drafts: list[list[int]] = [[] for _ in limits]
+        tops: list[list[TopLogprobs]] = [[] for _ in limits]
         active = [e for e, limit in enumerate(limits) if limit > 0]
         last = paddle.gather(out, paddle.to_tensor(np.asarray(tail_at, np.int64)[active])) if active else None
         for j in range(max(limits, default=0)):
-            tokens = self.model.compute_logits(last).argmax(axis=-1).tolist()
+            logits = self.model.compute_logits(last)
+            tokens = logits.argmax(axis=-1).tolist()
             for e, token in zip(active, tokens):
                 drafts[e].append(int(token))
+            asked = [i for i, e in enumerate(active) if rows.logprobs_k[e] >= 0]
+            if asked:
+                logprobs = paddle.nn.functional.log_softmax(paddle.gather(logits, paddle.to_tensor(
+                    np.asarray(asked, np.int64))), axis=-1).numpy()
+                for row, i in zip(logprobs, asked):
+                    tops[active[i]].append(self._top(row, tokens[i], int(rows.logprobs_k[active[i]])))
             active_next = [i for i, e in enumerate(active) if limits[e] > j + 1]
             if not active_next:
                 break
@@ -78,7 +87,13 @@ class MtpProposer:
             ends_j = [ends[e] + j + 1 for e in active]
             last = self._run([drafts[e][-1] for e in active], [end - 1 for end in ends_j], [1] * len(active),
                              ends_j, table[active], paddle.gather(last, paddle.to_tensor(np.asarray(active_next, np.int64))))
-        return drafts
+        return drafts, tops
+
+    @staticmethod
+    def _top(row: np.ndarray, token: int, k: int) -> TopLogprobs:
+        best = np.argsort(-row, kind="stable")[:k]
+        return TopLogprobs(best.astype(np.int64), row[best].astype(np.float32), float(row[token]),
+                           int((row > row[token]).sum()) + 1)
 
     def _run(self, ids: list[int], positions: list[int], lens: list[int], ends: list[int], table: np.ndarray,
              hidden: paddle.Tensor) -> paddle.Tensor:

@@ -76,16 +76,9 @@ class _SamplingFields(BaseModel):
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[!-~]+$")
     logits_processors_args: dict[str, Any] | None = None  # only {"logit_bias": ...}: SamplingParams checks it
     max_streaming_response_tokens: int | None = Field(None, ge=1, le=MAX_STREAMING_RESPONSE_TOKENS)
+    # With logprobs and MTP drafts: `draft_logprobs` beside `logprobs`, the MTP layer's for each accepted draft.
     include_draft_logprobs: bool = False
     mm_hashes: list[Any] | None = None
-
-    @field_validator("include_draft_logprobs")
-    @classmethod
-    def _no_draft(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("there are no draft tokens: this engine does no speculative decoding (only false is "
-                             "accepted)")
-        return value
 
     @field_validator("mm_hashes")
     @classmethod

@@ -298,6 +298,7 @@ class Choice:
     reasoning: str | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    draft_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # per token (MTP drafts)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     tool_call_deltas: list[dict[str, Any]] = field(default_factory=list)
@@ -310,8 +311,20 @@ class Choice:
             self.reasoning = (self.reasoning or "") + out.reasoning_content
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
+        if out.draft_logprobs is not None:
+            self.draft_logprobs += [None] * (len(self.token_ids) - len(out.token_ids) - len(self.draft_logprobs))
+            self.draft_logprobs += out.draft_logprobs
         if output.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+def draft_field(body: Any, token_ids: list[int], entries: list[dict[int, Logprob] | None] | None, k: int,
+                build: Callable[[list[int], list, int], dict[str, Any]]) -> dict[str, Any]:
+    """FastDeploy's `draft_logprobs` (built like `logprobs` by `build`) when the request asked for them
+    (include_draft_logprobs) and some tokens were accepted MTP drafts; else nothing."""
+    if not body.include_draft_logprobs or not entries or all(e is None for e in entries):
+        return {}
+    return {"draft_logprobs": build(token_ids, entries, k)}
 
 
 async def gather(ctx: ServingContext, submissions: list[Submission], queue: asyncio.Queue, http: HTTPRequest

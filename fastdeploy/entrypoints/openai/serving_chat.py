@@ -18,8 +18,8 @@ from fastdeploy.entrypoints.openai.extras import (ChunkGroups, check_raw_chat, r
                                                   skips_template)
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, EventStream, ServingContext, Tally, gather, json_logprob, make_submissions, now,
-    request_outputs, sampling_params, sse, submit, top_entries, usage)
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, Tally, draft_field, gather, json_logprob,
+    make_submissions, now, request_outputs, sampling_params, sse, submit, top_entries, usage)
 from fastdeploy.input.chat_template import RequestTemplate
 from fastdeploy.outputs import Logprob, RequestOutput
 from fastdeploy.tool_parsers import check_tool_choice, check_tools, join_call_deltas, known_tool_parsers
@@ -35,8 +35,9 @@ def _token_logprob(token: int, entry: dict[int, Logprob], k: int) -> dict[str, A
     return {**item(entry[token]), "top_logprobs": [item(lp) for _, lp in top_entries(entry, k)]}
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int) -> dict[str, Any]:
-    return {"content": [_token_logprob(t, e, k) for t, e in zip(token_ids, entries)]}
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int) -> dict[str, Any]:
+    """OpenAI's chat logprobs of the tokens with an entry (draft logprobs have one for accepted drafts only)."""
+    return {"content": [_token_logprob(t, e, k) for t, e in zip(token_ids, entries) if e is not None]}
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, http: HTTPRequest) -> Response:
@@ -87,6 +88,7 @@ def chat_response(body: ChatCompletionRequest, call_id: str, created: int, model
             "message": {"role": "assistant", **_answer(c), "reasoning_content": c.reasoning,
                         **_token_ids(body, prompt_ids, c.token_ids)},
             "logprobs": chat_logprobs(c.token_ids, c.logprobs, k) if body.logprobs else None,
+            **(draft_field(body, c.token_ids, c.draft_logprobs, k, chat_logprobs) if body.logprobs else {}),
             "finish_reason": "tool_calls" if c.tool_call_deltas and calls_finish else c.finish_reason,
             "stop_reason": c.stop_reason,
         } for i, c in enumerate(choices)],
@@ -205,7 +207,8 @@ def _delta_choice(body: ChatCompletionRequest, output: RequestOutput, k: int, ca
         return None  # the step's text is held back (a possible stop string or an unfinished character)
     finish = ("tool_calls" if out.index in called and calls_finish else out.finish_reason) if output.finished \
         else None
-    return {"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+    drafts = draft_field(body, out.token_ids, out.draft_logprobs, k, chat_logprobs) if body.logprobs else {}
+    return {"index": out.index, "delta": delta, "logprobs": logprobs, **drafts, "finish_reason": finish,
             **({"stop_reason": out.stop_reason} if output.finished else {})}
 
 

@@ -17,7 +17,7 @@ from fastdeploy.entrypoints.multimodal import Prepared
 from fastdeploy.entrypoints.openai.extras import ChunkGroups, completion_prompts, response_id
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, EventStream, ServingContext, Tally, gather, make_submissions, now, request_outputs,
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, Tally, draft_field, gather, make_submissions, now, request_outputs,
     sampling_params, json_logprob, sse, submit, top_entries, usage)
 from fastdeploy.outputs import Logprob
 
@@ -34,6 +34,13 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
             "top_logprobs": [{lp.decoded_token or "": json_logprob(lp.logprob) for _, lp in top_entries(e, k)}
                              for e in entries],
             "text_offset": offsets}
+
+
+def draft_completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int
+                              ) -> dict[str, Any]:
+    """`draft_logprobs` in the legacy shape: the accepted drafts' tokens only (offsets among them, as FastDeploy)."""
+    kept = [(t, e) for t, e in zip(token_ids, entries) if e is not None]
+    return completion_logprobs([t for t, _ in kept], [e for _, e in kept], k, 0)
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, http: HTTPRequest) -> Response:
@@ -67,6 +74,8 @@ def completion_choice(body: CompletionRequest, index: int, echo: str, choice: Ch
     out = {"index": index, "text": echo + choice.text, "reasoning_content": choice.reasoning,
            "logprobs": completion_logprobs(choice.token_ids, choice.logprobs, body.logprobs or 0, 0)
            if body.logprobs is not None else None,
+           **(draft_field(body, choice.token_ids, choice.draft_logprobs, body.logprobs or 0, draft_completion_logprobs)
+              if body.logprobs is not None else {}),
            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
     if body.return_token_ids:
         out.update(prompt_token_ids=prompt_ids, completion_token_ids=choice.token_ids)
@@ -111,6 +120,8 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, submissions: lis
             sent[out.index] += len(out.text or "")
             choice = {"index": out.index, "text": out.text or "", "logprobs": logprobs,
                       "finish_reason": out.finish_reason if output.finished else None}
+            if logprobs is not None:
+                choice.update(draft_field(body, out.token_ids, out.draft_logprobs, k, draft_completion_logprobs))
             if out.reasoning_content:
                 choice["reasoning_content"] = out.reasoning_content
             if output.finished:
