@@ -30,7 +30,8 @@ from typing import Any
 METHODS = {"ngram": "ngram", "ngram_match": "ngram", "mtp": "mtp"}  # FastDeploy's docs / config names, vLLM's
 MAX_SPECULATIVE_TOKENS = 16
 MTP_LAYERS = 1  # MTP layers ERNIE-4.5 checkpoints ship (FastDeploy builds one as well); each has a KV cache layer
-MTP_ARCHITECTURES = ("Ernie4_5ForCausalLM", "Ernie4_5_ForCausalLM", "Ernie4_5_MoeForCausalLM")  # HF and Paddle spellings
+# The models that carry an MTP layer (HF and Paddle spellings).
+MTP_ARCHITECTURES = ("Ernie4_5ForCausalLM", "Ernie4_5_ForCausalLM", "Ernie4_5_MoeForCausalLM")
 # FastDeploy's keys this engine takes only at their defaults (MTP, draft models and their options).
 _DEFAULTS_ONLY: dict[str, Any] = {"quantization": None, "num_model_steps": 1,
                                   "mtp_strategy": "default", "benchmark_mode": False}

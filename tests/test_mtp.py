@@ -308,3 +308,71 @@ def test_mtp_weights_from_elsewhere_are_refused(tmp_path) -> None:
     with pytest.raises(NotImplementedError, match="model's own checkpoint"):
         LLM(model=str(path), speculative_config={"method": "mtp", "model": str(tmp_path)})
     assert LLM(model=str(path), speculative_config={"method": "mtp", "model": str(path)}).config.speculative.model
+
+
+# ---- the demo model's trained MTP head ---------------------------------------------------------------------------
+DEMO = Path(__file__).resolve().parents[1] / "models" / "ernie-4.5-demo"
+DEMO_PROMPTS = ["The list type is a mutable sequence", "A dictionary maps", "class C:\n    def __init__(self, value):\n",
+                "To open a file for reading,"]
+DEMO_PARAMS = [SamplingParams(temperature=0, max_tokens=48, logprobs=2),
+               SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=48, logprobs=2)]
+
+
+@pytest.fixture(scope="module")
+def demo_runs() -> tuple[list, list]:
+    prompts, params = DEMO_PROMPTS * 2, DEMO_PARAMS * len(DEMO_PROMPTS)
+    expected = LLM(model=str(DEMO), max_model_len=256).generate(prompts, params, use_tqdm=False)
+    got = LLM(model=str(DEMO), max_model_len=256, speculative_config={"method": "mtp", "num_speculative_tokens": 1}
+              ).generate(prompts, params, use_tqdm=False)
+    return expected, got
+
+
+def test_demo_mtp_head_drafts_are_accepted_and_change_nothing(demo_runs) -> None:
+    from tests.test_speculative import assert_same_outputs
+
+    expected, got = demo_runs
+    assert_same_outputs(got, expected)
+    drafted = sum(o.metrics.num_draft_tokens for o in got)
+    accepted = sum(o.metrics.num_accepted_tokens for o in got)
+    assert drafted > 100 and accepted > 0.5 * drafted, (accepted, drafted)  # a trained head, not chance
+
+
+def test_demo_mtp_draft_logprobs_are_the_drafting_distributions(demo_runs) -> None:
+    """One entry per accepted draft, at its token; MTP drafts greedily, so the token is the entry's best."""
+    for out in demo_runs[1]:
+        entries = out.outputs.draft_logprobs
+        assert len(entries) == len(out.outputs.token_ids)
+        kept = [(t, e) for t, e in zip(out.outputs.token_ids, entries) if e is not None]
+        assert len(kept) == out.metrics.num_accepted_tokens
+        for token, entry in kept:
+            assert entry[token].rank == 1 and entry[token].logprob <= 0 and len(entry) <= 3
+            assert entry[token].logprob == max(lp.logprob for lp in entry.values())
+
+
+def test_server_returns_draft_logprobs(demo_runs) -> None:
+    from tests.test_api_server import Server
+
+    expected = demo_runs[1][0]  # the first prompt, greedy, under MTP
+    server = Server(str(DEMO), "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
+    try:
+        client = server.client()
+        body = dict(model=server_model(client), prompt=expected.prompt_token_ids, max_tokens=48, temperature=0,
+                    logprobs=2)
+        plain = client.completions.create(**body)
+        assert plain.choices[0].model_extra.get("draft_logprobs") is None  # not asked for
+        r = client.completions.create(**body, extra_body={"include_draft_logprobs": True})
+        drafts = r.choices[0].model_extra["draft_logprobs"]
+        kept = [(t, e) for t, e in zip(expected.outputs.token_ids, expected.outputs.draft_logprobs) if e is not None]
+        assert drafts["token_logprobs"] == pytest.approx([e[t].logprob for t, e in kept], abs=1e-6)
+        assert len(drafts["top_logprobs"]) == len(kept)
+        chat = client.chat.completions.create(model=body["model"], messages=[{"role": "user", "content": "A list"}],
+                                              max_tokens=24, temperature=0, logprobs=True, top_logprobs=1,
+                                              extra_body={"include_draft_logprobs": True})
+        content = chat.choices[0].model_extra["draft_logprobs"]["content"]
+        assert content and all(item["logprob"] <= 0 and len(item["top_logprobs"]) == 1 for item in content)
+    finally:
+        assert server.stop() == 0
+
+
+def server_model(client) -> str:
+    return client.models.list().data[0].id

@@ -15,6 +15,7 @@ state (FastDeploy's chaining), its K/V in the slots the scheduler reserved past 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
@@ -25,6 +26,19 @@ from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward
 from fastdeploy.step_types import SchedulerOutput, TopLogprobs
 
 
+@dataclass(slots=True)
+class _CatchUp:
+    """The MTP rows of a step: per entry its final rows (x_{i+1}, position i, h_i's row in the step's hidden
+    states), where its last row is, and how many drafts it makes."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
+    last_rows: list[int] = field(default_factory=list)
+    limits: list[int] = field(default_factory=list)
+
+
 class MtpProposer:
     def __init__(self, model: nn.Layer, kv_caches: Sequence[paddle.Tensor], block_size: int) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
@@ -33,60 +47,33 @@ class MtpProposer:
                 ) -> tuple[list[list[int]], list[list[TopLogprobs]]]:
         """Each MtpRows entry's drafts for its next step, and their logprobs where asked (MtpRows.logprobs_k);
         `hidden` [len(hidden_rows), H]: the main model's final hidden states of step.forward.hidden_rows."""
-        forward, rows = step.forward, step.mtp
-        starts = np.concatenate([[0], np.cumsum(forward.query_lens)])
-        ids: list[int] = []
-        positions: list[int] = []
-        lens: list[int] = []
-        sources: list[int] = []  # hidden-state rows, in `hidden`
-        tail_at: list[int] = []  # per entry: its last MTP row
-        offset = 0
-        for e, b in enumerate(rows.batch_index.tolist()):
-            start, n = int(starts[b]), int(forward.query_lens[b])
-            begin = int(forward.context_lens[b]) - n
-            tokens = forward.token_ids[start:start + n].tolist()
-            k, first = int(rows.num_drafts[e]), int(rows.first_sample[e])
-            if first < 0:
-                used, tail = n, int(rows.next_token[e])
-            else:
-                accepted = 0
-                while accepted < k and sampled[first + accepted] == tokens[n - k + accepted]:
-                    accepted += 1
-                used, tail = n - k + accepted, int(sampled[first + accepted])
-            ids += tokens[1:used] + [max(tail, 0)]  # -1: a sampling failure; its drafts are dropped below
-            positions += range(begin, begin + used)
-            lens.append(used)
-            sources += range(offset, offset + used)
-            tail_at.append(len(ids) - 1)
-            offset += n
-        limits = [int(limit) if first >= 0 and sampled[first] >= 0 else 0
-                  for limit, first in zip(rows.draft_limit.tolist(), rows.first_sample.tolist())]
-        table = forward.block_tables[rows.batch_index]
-        ends = [p + 1 for p in np.asarray(positions)[tail_at].tolist()]
-        out = self._run(ids, positions, lens, ends, table, paddle.gather(hidden, paddle.to_tensor(sources)))
+        rows = catch_up_rows(step, sampled)
+        table = step.forward.block_tables[step.mtp.batch_index]
+        ends = [p + 1 for p in np.asarray(rows.positions)[rows.last_rows].tolist()]
+        out = self._run(rows.ids, rows.positions, rows.lens, ends, table, paddle.gather(hidden, _index(rows.sources)))
+        limits, want = rows.limits, step.mtp.logprobs_k.tolist()
         drafts: list[list[int]] = [[] for _ in limits]
         tops: list[list[TopLogprobs]] = [[] for _ in limits]
         active = [e for e, limit in enumerate(limits) if limit > 0]
-        last = paddle.gather(out, paddle.to_tensor(np.asarray(tail_at, np.int64)[active])) if active else None
+        last = paddle.gather(out, _index([rows.last_rows[e] for e in active])) if active else None
         for j in range(max(limits, default=0)):
             logits = self.model.compute_logits(last)
             tokens = logits.argmax(axis=-1).tolist()
             for e, token in zip(active, tokens):
                 drafts[e].append(int(token))
-            asked = [i for i, e in enumerate(active) if rows.logprobs_k[e] >= 0]
+            asked = [i for i, e in enumerate(active) if want[e] >= 0]
             if asked:
-                logprobs = paddle.nn.functional.log_softmax(paddle.gather(logits, paddle.to_tensor(
-                    np.asarray(asked, np.int64))), axis=-1).numpy()
+                logprobs = paddle.nn.functional.log_softmax(paddle.gather(logits, _index(asked)), axis=-1).numpy()
                 for row, i in zip(logprobs, asked):
-                    tops[active[i]].append(self._top(row, tokens[i], int(rows.logprobs_k[active[i]])))
-            active_next = [i for i, e in enumerate(active) if limits[e] > j + 1]
-            if not active_next:
+                    tops[active[i]].append(self._top(row, tokens[i], want[active[i]]))
+            going = [i for i, e in enumerate(active) if limits[e] > j + 1]
+            if not going:
                 break
-            active = [active[i] for i in active_next]
             # One more row per drafting request: the draft just made, one position on, from the last output.
+            active = [active[i] for i in going]
             ends_j = [ends[e] + j + 1 for e in active]
-            last = self._run([drafts[e][-1] for e in active], [end - 1 for end in ends_j], [1] * len(active),
-                             ends_j, table[active], paddle.gather(last, paddle.to_tensor(np.asarray(active_next, np.int64))))
+            last = self._run([drafts[e][-1] for e in active], [end - 1 for end in ends_j], [1] * len(active), ends_j,
+                             table[active], paddle.gather(last, _index(going)))
         return drafts, tops
 
     @staticmethod
@@ -102,3 +89,35 @@ class MtpProposer:
         with forward_context(ctx):
             return mtp_forward(self.model, paddle.to_tensor(np.asarray(ids, np.int64)),
                                paddle.to_tensor(np.asarray(positions, np.int64)), hidden)
+
+
+def catch_up_rows(step: SchedulerOutput, sampled: Sequence[int]) -> _CatchUp:
+    """Which of each MTP entry's query rows have a final hidden state now, with the token after each (the module
+    doc); an entry drafts only if it sampled a token (-1: the sampler failed)."""
+    forward, mtp = step.forward, step.mtp
+    starts = np.concatenate([[0], np.cumsum(forward.query_lens)]).tolist()
+    rows, offset = _CatchUp(), 0
+    for e, b in enumerate(mtp.batch_index.tolist()):
+        start, n = starts[b], int(forward.query_lens[b])
+        begin = int(forward.context_lens[b]) - n
+        tokens = forward.token_ids[start:start + n].tolist()
+        k, first = int(mtp.num_drafts[e]), int(mtp.first_sample[e])
+        if first < 0:
+            used, tail = n, int(mtp.next_token[e])
+        else:
+            accepted = 0
+            while accepted < k and sampled[first + accepted] == tokens[n - k + accepted]:
+                accepted += 1
+            used, tail = n - k + accepted, int(sampled[first + accepted])
+        rows.ids += tokens[1:used] + [max(tail, 0)]
+        rows.positions += range(begin, begin + used)
+        rows.lens.append(used)
+        rows.sources += range(offset, offset + used)
+        rows.last_rows.append(len(rows.ids) - 1)
+        rows.limits.append(int(mtp.draft_limit[e]) if first >= 0 and tail >= 0 else 0)
+        offset += n
+    return rows
+
+
+def _index(rows: Sequence[int]) -> paddle.Tensor:
+    return paddle.to_tensor(np.asarray(rows, np.int64))

@@ -17,8 +17,8 @@ from fastdeploy.entrypoints.multimodal import Prepared
 from fastdeploy.entrypoints.openai.extras import ChunkGroups, completion_prompts, response_id
 from fastdeploy.entrypoints.openai.protocol import CompletionRequest
 from fastdeploy.entrypoints.openai.serving import (
-    SSE_DONE, APIError, Choice, EventStream, ServingContext, Tally, draft_field, gather, make_submissions, now, request_outputs,
-    sampling_params, json_logprob, sse, submit, top_entries, usage)
+    SSE_DONE, APIError, Choice, EventStream, ServingContext, Tally, draft_field, gather, make_submissions, now,
+    request_outputs, sampling_params, json_logprob, sse, submit, top_entries, usage)
 from fastdeploy.outputs import Logprob
 
 
