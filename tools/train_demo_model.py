@@ -197,6 +197,21 @@ def chat_examples(docs: list[Document], rng: random.Random) -> list[str]:
     return out
 
 
+def split_corpus(docs: list[Document], seed: int,
+                 heldout_frac: float) -> tuple[list[Document], list[Document], list[str], list[str]]:
+    """(training docs, held-out docs, chat turns, shuffled training texts = docs + chats), drawn from seed."""
+    rng = random.Random(seed)
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    n_held = max(1, round(len(docs) * heldout_frac))
+    held = [docs[i] for i in sorted(order[:n_held])]
+    train = [docs[i] for i in sorted(order[n_held:])]
+    chats = chat_examples(train, rng)
+    train_texts = [d.text for d in train] + chats
+    rng.shuffle(train_texts)
+    return train, held, chats, train_texts
+
+
 # ---------------------------------------------------------------- tokenizer
 
 IN_MODEL_SPECIALS = ["<mask:%d>" % i for i in range(8)] + [
@@ -367,15 +382,20 @@ def hf_state_dict(model: DemoErnie) -> dict[str, np.ndarray]:
     sd = {"model.embed_tokens.weight": model.embed_tokens.weight.numpy(),
           "model.norm.weight": model.norm.weight.numpy()}
     for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight.numpy()
-        sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.numpy()
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            sd[p + f"self_attn.{name}.weight"] = getattr(layer, name).weight.numpy().T  # Paddle [in, out]
-        gate, up = np.split(layer.gate_up_proj.weight.numpy(), 2, axis=1)
-        sd[p + "mlp.gate_proj.weight"] = gate.T
-        sd[p + "mlp.up_proj.weight"] = up.T
-        sd[p + "mlp.down_proj.weight"] = layer.down_proj.weight.numpy().T
+        sd.update(block_state_dict(layer, f"model.layers.{i}."))
+    return sd
+
+
+def block_state_dict(layer: Block, p: str) -> dict[str, np.ndarray]:
+    """One decoder layer's tensors under prefix p in the HF layout (linear weights [out, in])."""
+    sd = {p + "input_layernorm.weight": layer.input_layernorm.weight.numpy(),
+          p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight.numpy()}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        sd[p + f"self_attn.{name}.weight"] = getattr(layer, name).weight.numpy().T  # Paddle [in, out]
+    gate, up = np.split(layer.gate_up_proj.weight.numpy(), 2, axis=1)
+    sd[p + "mlp.gate_proj.weight"] = gate.T
+    sd[p + "mlp.up_proj.weight"] = up.T
+    sd[p + "mlp.down_proj.weight"] = layer.down_proj.weight.numpy().T
     return sd
 
 
@@ -534,19 +554,10 @@ def main() -> None:
     if hasattr(paddle.base.core, "set_num_threads"):  # Paddle's own BLAS thread setting, besides OMP
         paddle.base.core.set_num_threads(1)
     paddle.seed(a.seed)
-    rng = random.Random(a.seed)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    docs = load_documents(Path(a.corpus))
-    order = list(range(len(docs)))
-    rng.shuffle(order)
-    n_held = max(1, round(len(docs) * a.heldout_frac))
-    held = [docs[i] for i in sorted(order[:n_held])]
-    train = [docs[i] for i in sorted(order[n_held:])]
-    chats = chat_examples(train, rng)
-    train_texts = [d.text for d in train] + chats
-    rng.shuffle(train_texts)
+    train, held, chats, train_texts = split_corpus(load_documents(Path(a.corpus)), a.seed, a.heldout_frac)
     log(f"corpus: {len(train)} training docs ({sum(len(d.text) for d in train) / 1e6:.1f} M chars) + "
         f"{len(chats)} chat turns, {len(held)} held out: {', '.join(d.name for d in held)}")
 
