@@ -73,6 +73,8 @@ struct StepBatch {
   const int64_t* hidden_rows;  // [n_hidden]: rows whose final-normed hidden states go to `hidden` (MTP drafting)
   float* hidden;               // [n_hidden, hidden]
   int64_t n_hidden;
+  const float* input_hidden;   // [T, hidden] or nullptr: the first layer's input rows instead of the ids' embedding
+                               // (ERNIE-4.5's MTP layer: its input is a projection of embedding and hidden state)
 };
 
 // Where a step's time goes (the benchmarks report the share outside the weight-streaming GEMMs). Keep in
@@ -436,7 +438,11 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
     std::memcpy(b.cos + t * half, m.cos_table + s.positions[t] * half, half * sizeof(float));
     std::memcpy(b.sin + t * half, m.sin_table + s.positions[t] * half, half * sizeof(float));
   }
-  packed_columns(m.embedding.w, m.embedding.scales, m.embedding.fmt, m.embedding.K, m.embedding.N, s.ids, T, b.resid);
+  if (s.input_hidden != nullptr)
+    std::memcpy(b.resid, s.input_hidden, T * H * sizeof(float));
+  else
+    packed_columns(m.embedding.w, m.embedding.scales, m.embedding.fmt, m.embedding.K, m.embedding.N, s.ids, T,
+                   b.resid);
   clock.mark(kEmbed);
   const int64_t kept = kept_rows(s, b);
   for (int64_t l = 0; l < m.num_layers; ++l) {

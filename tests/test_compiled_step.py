@@ -420,3 +420,24 @@ def test_used_by_the_runner_and_not_under_tensor_parallel() -> None:
     model = load_model(ModelConfig.from_pretrained(MODELS / "qwen3_tiny"))
     model.lm_head.tp = type(model.lm_head.tp)(rank=0, size=2)  # as a rank of two would be built
     assert unsupported_reason(model) == "tensor parallel"
+
+
+def test_input_rows_stand_in_for_the_embedding() -> None:
+    """Given the tokens' embedding rows as input_hidden, the step computes what it computes from the ids (the MTP
+    layer is run this way, from its own input rows); a wrong shape or dtype is refused before the call."""
+    model = load_model(ModelConfig.from_pretrained(MODELS / "ernie45_tiny_hf"))
+    cfg = model.config
+    kv = allocate_kv_caches(cfg.num_hidden_layers, 4, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    compiled = CompiledDecoder.build(model, kv, BLOCK, MAX_LEN)
+    ids = np.random.default_rng(5).integers(3, cfg.vocab_size, 9)
+    batch = ForwardBatch(ids, np.arange(9, dtype=np.int64), np.asarray([9]), np.asarray([9]), np.asarray([[0]]),
+                         np.asarray([4, 8], np.int64), hidden_rows=np.asarray([8], np.int64))
+    expected, expected_hidden = compiled.forward(batch).numpy(), compiled.hidden
+    rows = model.model.embed_tokens(paddle.to_tensor(ids)).numpy().astype(np.float32)
+    np.testing.assert_array_equal(compiled.forward(batch, rows).numpy(), expected)
+    np.testing.assert_array_equal(compiled.hidden, expected_hidden)
+    shifted = compiled.forward(batch, rows + 0.5).numpy()
+    assert not np.allclose(shifted, expected)  # the rows are read, not the ids
+    for bad in (rows[:8], rows.astype(np.float64), np.repeat(rows, 2, axis=1)[:, ::2]):
+        with pytest.raises(ValueError, match="input_hidden must be a contiguous float32 array of shape"):
+            compiled.forward(batch, bad)

@@ -224,13 +224,18 @@ def reference_drafts(model, c: dict, tokens: list[int], drafts: list[int], kv_ca
     return out
 
 
-@pytest.mark.parametrize("fixture, k", [("ernie45_tiny_hf", 1), ("ernie45_tiny_hf", 3), ("ernie45_moe_tiny_hf", 2)])
-def test_drafts_follow_the_reference_through_accepted_and_rejected_drafts(tmp_path, monkeypatch, fixture, k) -> None:
+@pytest.mark.parametrize("fixture, k, compiled", [("ernie45_tiny_hf", 1, False), ("ernie45_tiny_hf", 3, False),
+                                                  ("ernie45_moe_tiny_hf", 2, False), ("ernie45_tiny_hf", 3, True),
+                                                  ("ernie45_moe_tiny_hf", 2, True)])
+def test_drafts_follow_the_reference_through_accepted_and_rejected_drafts(tmp_path, monkeypatch, fixture, k,
+                                                                          compiled) -> None:
     """Whatever a step accepted, the MTP layer's cache holds exactly the rows a whole-sequence run would, so every
-    draft is what the reference drafts from the request's tokens at that point."""
+    draft is what the reference (the layer path, all rows at once) drafts from the request's tokens at that point;
+    on the compiled step (model and MTP layer) or layer by layer."""
     from tests.test_speculative import generate, repeating_prompts
 
-    layer_path_only(monkeypatch)
+    if not compiled:
+        layer_path_only(monkeypatch)
     path = with_mtp(tmp_path, fixture, seed=3)
     c = json.loads((path / "config.json").read_text())
     prompts = repeating_prompts(6, seed=k)
@@ -247,6 +252,7 @@ def test_drafts_follow_the_reference_through_accepted_and_rejected_drafts(tmp_pa
     assert 0.4 * drafted < accepted < drafted, (accepted, drafted)
     assert len(oracle.offers) > 30 and all(len(d) <= k for _, d in oracle.offers)
     model = model_of(llm)
+    assert (llm.engine.runner.mtp.compiled is not None) == compiled
     checked = [reference_drafts(model, c, tokens, drafts, llm.config.kv_cache_dtype) for tokens, drafts in oracle.offers]
     assert all(all(ok) for ok in checked), [i for i, ok in enumerate(checked) if not all(ok)]
 

@@ -70,7 +70,7 @@ class _Batch(ctypes.Structure):
                 ("blocks", _ptr), ("logit_rows", _ptr), ("logits", _ptr), ("T", _i64), ("B", _i64),
                 ("max_blocks", _i64), ("R", _i64), ("argmax", _ptr), ("sample_params", _ptr),
                 ("sample_lists", _ptr), ("n_sample_lists", _i64), ("hidden_rows", _ptr), ("hidden", _ptr),
-                ("n_hidden", _i64)]
+                ("n_hidden", _i64), ("input_hidden", _ptr)]
 
 
 def _address(t: paddle.Tensor | None) -> int | None:
@@ -120,8 +120,8 @@ class CompiledDecoder:
     """One model's compiled forward step; holds references to everything the library points into."""
 
     def __init__(self, lib: OpsLibrary, model: nn.Layer, kv_caches: Sequence[paddle.Tensor],
-                 block_size: int, max_positions: int) -> None:
-        described = describe(model, max_positions)
+                 block_size: int, max_positions: int, layers: Sequence[nn.Layer] | None = None) -> None:
+        described = describe(model, max_positions, layers)
         _check_caches(kv_caches, len(described.layers), described.kv_heads, described.head_dim, block_size)
         self._keep: list[Any] = [model, list(kv_caches), described]  # described holds the rotary tables
         layers = [_layer(layer, cache) for layer, cache in zip(described.layers, kv_caches)]
@@ -178,14 +178,15 @@ class CompiledDecoder:
 
     @classmethod
     def build(cls, model: nn.Layer, kv_caches: Sequence[paddle.Tensor], block_size: int,
-              max_positions: int) -> CompiledDecoder | None:
-        """The compiled step for `model`, or None (logged) when it must run layer by layer."""
+              max_positions: int, layers: Sequence[nn.Layer] | None = None) -> CompiledDecoder | None:
+        """The compiled step for `model` (`layers`: these decoder layers of it instead of its own, e.g. its MTP
+        layer, whose input rows a call then gives), or None (logged) when it must run layer by layer."""
         lib = ops.library()
-        reason = "the compiled ops are unavailable" if lib is None else unsupported_reason(model)
+        reason = "the compiled ops are unavailable" if lib is None else unsupported_reason(model, layers)
         if reason is not None:
-            logger.info("forward runs layer by layer: %s", reason)
+            logger.info("%s runs layer by layer: %s", "forward" if layers is None else "the MTP layer", reason)
             return None
-        return cls(lib, model, kv_caches, block_size, max_positions)
+        return cls(lib, model, kv_caches, block_size, max_positions, layers)
 
     @staticmethod
     def covers(inputs: ForwardBatch) -> ForwardBatch | None:
@@ -198,12 +199,13 @@ class CompiledDecoder:
             return None
         return dataclasses.replace(inputs, positions=positions[0], token_types=None)
 
-    def forward(self, inputs: ForwardBatch) -> paddle.Tensor | None:
+    def forward(self, inputs: ForwardBatch, input_hidden: np.ndarray | None = None) -> paddle.Tensor | None:
         """The batch's forward pass (writing its K/V into the cache): logits [R, vocab] of `logit_rows`,
-        None when no row needs them. Only batches `covers` returned."""
+        None when no row needs them. Only batches `covers` returned. `input_hidden` (float32 [T, hidden]): the
+        first layer's input rows instead of the tokens' embedding."""
         rows = len(inputs.logit_rows)
         logits = paddle.empty([rows, self.vocab], dtype="float32")
-        self._run(inputs, logits.data_ptr() if rows else None, None)
+        self._run(inputs, logits.data_ptr() if rows else None, None, input_hidden=input_hidden)
         return logits if rows else None
 
     def forward_tokens(self, inputs: ForwardBatch, how: InForward = InForward(None, None)) -> list[int]:
@@ -238,8 +240,15 @@ class CompiledDecoder:
         return self._argmax[:rows].tolist()
 
     def _run(self, inputs: ForwardBatch, logits: int | None, tokens: int | None, sample_params: int | None = None,
-             sample_lists: tuple[int, int] = (0, 0)) -> None:
+             sample_lists: tuple[int, int] = (0, 0), input_hidden: np.ndarray | None = None) -> None:
         batch = self._batch(inputs)
+        batch.input_hidden = None
+        if input_hidden is not None:
+            shape = (len(inputs.token_ids), self.hidden_size)
+            if input_hidden.dtype != np.float32 or input_hidden.shape != shape or not input_hidden.flags.c_contiguous:
+                raise ValueError(f"input_hidden must be a contiguous float32 array of shape {shape}, got "
+                                 f"{input_hidden.dtype} {input_hidden.shape}")
+            batch.input_hidden = input_hidden.ctypes.data
         batch.logits, batch.argmax, batch.sample_params = logits, tokens, sample_params
         batch.sample_lists, batch.n_sample_lists = sample_lists
         n = batch.n_hidden  # a fresh array per step with hidden rows: the caller may keep it past the next step

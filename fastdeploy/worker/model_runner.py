@@ -130,8 +130,14 @@ class ModelRunner:
         main_caches = self.kv_caches[:mc.num_hidden_layers]  # the MTP layer's, if any, come after
         self.compiled = (CompiledDecoder.build(self.model, main_caches, config.block_size, config.max_model_len)
                          if self.workers is None else None)
-        self.mtp = (MtpProposer(self.model, self.kv_caches, config.block_size)
-                    if config.num_kv_layers > mc.num_hidden_layers else None)
+        self.mtp = self._mtp_proposer() if config.num_kv_layers > mc.num_hidden_layers else None
+
+    def _mtp_proposer(self) -> MtpProposer:
+        """The MTP layer's drafter, on the compiled step when it covers the layer (its own cache, the last)."""
+        layer, cache = self.model.model.mtp_block[0], self.kv_caches[-1]
+        compiled = CompiledDecoder.build(self.model, [cache], self.config.block_size, self.config.max_model_len,
+                                         layers=[layer]) if self.workers is None else None
+        return MtpProposer(self.model, self.kv_caches, self.config.block_size, compiled)
 
     def _ask_workers(self, message: object | None = None) -> list:
         """Send `message` to every worker (if given) and wait for each one's reply."""

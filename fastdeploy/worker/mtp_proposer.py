@@ -22,8 +22,9 @@ import paddle
 from paddle import nn
 
 from fastdeploy.model_executor.forward_context import build_forward_context, forward_context
-from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward
-from fastdeploy.step_types import SchedulerOutput, TopLogprobs
+from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward, mtp_input
+from fastdeploy.step_types import ForwardBatch, SchedulerOutput, TopLogprobs
+from fastdeploy.worker.compiled_step import CompiledDecoder
 
 
 @dataclass(slots=True)
@@ -40,8 +41,12 @@ class _CatchUp:
 
 
 class MtpProposer:
-    def __init__(self, model: nn.Layer, kv_caches: Sequence[paddle.Tensor], block_size: int) -> None:
-        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+    """Runs the MTP layer by the compiled step when it covers it (`compiled`: a CompiledDecoder of the MTP layer
+    alone, given its input rows), else layer by layer."""
+
+    def __init__(self, model: nn.Layer, kv_caches: Sequence[paddle.Tensor], block_size: int,
+                 compiled: CompiledDecoder | None = None) -> None:
+        self.model, self.kv_caches, self.block_size, self.compiled = model, kv_caches, block_size, compiled
 
     def propose(self, step: SchedulerOutput, sampled: Sequence[int], hidden: paddle.Tensor
                 ) -> tuple[list[list[int]], list[list[TopLogprobs]]]:
@@ -50,14 +55,13 @@ class MtpProposer:
         rows = catch_up_rows(step, sampled)
         table = step.forward.block_tables[step.mtp.batch_index]
         ends = [p + 1 for p in np.asarray(rows.positions)[rows.last_rows].tolist()]
-        out = self._run(rows.ids, rows.positions, rows.lens, ends, table, paddle.gather(hidden, _index(rows.sources)))
         limits, want = rows.limits, step.mtp.logprobs_k.tolist()
         drafts: list[list[int]] = [[] for _ in limits]
         tops: list[list[TopLogprobs]] = [[] for _ in limits]
         active = [e for e, limit in enumerate(limits) if limit > 0]
-        last = paddle.gather(out, _index([rows.last_rows[e] for e in active])) if active else None
+        logits, last = self._layer(rows.ids, rows.positions, rows.lens, ends, table,
+                                   paddle.gather(hidden, _index(rows.sources)), [rows.last_rows[e] for e in active])
         for j in range(max(limits, default=0)):
-            logits = self.model.compute_logits(last)
             tokens = logits.argmax(axis=-1).tolist()
             for e, token in zip(active, tokens):
                 drafts[e].append(int(token))
@@ -72,9 +76,29 @@ class MtpProposer:
             # One more row per drafting request: the draft just made, one position on, from the last output.
             active = [active[i] for i in going]
             ends_j = [ends[e] + j + 1 for e in active]
-            last = self._run([drafts[e][-1] for e in active], [end - 1 for end in ends_j], [1] * len(active), ends_j,
-                             table[active], paddle.gather(last, _index(going)))
+            logits, last = self._layer([drafts[e][-1] for e in active], [end - 1 for end in ends_j], [1] * len(active),
+                                       ends_j, table[active], paddle.gather(last, _index(going)),
+                                       list(range(len(active))))
         return drafts, tops
+
+    def _layer(self, ids: list[int], positions: list[int], lens: list[int], ends: list[int], table: np.ndarray,
+               hidden: paddle.Tensor, out_rows: list[int]) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
+        """The MTP layer over a ragged batch (its K/V into its cache): the logits and the outputs o of `out_rows`."""
+        token_ids = paddle.to_tensor(np.asarray(ids, np.int64))
+        if self.compiled is not None:
+            rows = np.asarray(out_rows, np.int64)
+            batch = ForwardBatch(np.asarray(ids, np.int64), np.asarray(positions, np.int64), np.asarray(lens, np.int64),
+                                 np.asarray(ends, np.int64), table, rows, hidden_rows=rows)
+            logits = self.compiled.forward(batch, mtp_input(self.model, token_ids, hidden).numpy())
+            return logits, paddle.to_tensor(self.compiled.hidden) if out_rows else None
+        ctx = build_forward_context(np.asarray(lens, np.int64), np.asarray(ends, np.int64), table, self.block_size,
+                                    self.kv_caches)
+        with forward_context(ctx):
+            out = mtp_forward(self.model, token_ids, paddle.to_tensor(np.asarray(positions, np.int64)), hidden)
+        if not out_rows:
+            return None, None
+        last = paddle.gather(out, _index(out_rows))
+        return self.model.compute_logits(last), last
 
     @staticmethod
     def _top(row: np.ndarray, token: int, k: int) -> TopLogprobs:
@@ -82,13 +106,6 @@ class MtpProposer:
         return TopLogprobs(best.astype(np.int64), row[best].astype(np.float32), float(row[token]),
                            int((row > row[token]).sum()) + 1)
 
-    def _run(self, ids: list[int], positions: list[int], lens: list[int], ends: list[int], table: np.ndarray,
-             hidden: paddle.Tensor) -> paddle.Tensor:
-        ctx = build_forward_context(np.asarray(lens, np.int64), np.asarray(ends, np.int64), table, self.block_size,
-                                    self.kv_caches)
-        with forward_context(ctx):
-            return mtp_forward(self.model, paddle.to_tensor(np.asarray(ids, np.int64)),
-                               paddle.to_tensor(np.asarray(positions, np.int64)), hidden)
 
 
 def catch_up_rows(step: SchedulerOutput, sampled: Sequence[int]) -> _CatchUp:

@@ -11,6 +11,8 @@ Built once per model, so nothing here runs per step.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 
 import paddle
@@ -97,14 +99,15 @@ class CompiledModel:
         return self.lm_head.n
 
 
-def unsupported_reason(model: nn.Layer) -> str | None:
-    """Why `model` must run layer by layer (None: the compiled step covers it)."""
+def unsupported_reason(model: nn.Layer, layers: Sequence[nn.Layer] | None = None) -> str | None:
+    """Why `model` (or `layers` of it, with its embedding, final norm and head) must run layer by layer (None:
+    the compiled step covers it)."""
     decoder = getattr(model, "model", None)
     if not hasattr(decoder, "layers") or not hasattr(model, "lm_head"):
         return f"{type(model).__name__} is not a decoder CausalLM"
     if model.lm_head.tp.size != 1:
         return "tensor parallel"
-    for layer in decoder.layers:
+    for layer in decoder.layers if layers is None else layers:
         mlp = layer.mlp
         if isinstance(mlp, (SparseMoE, MultimodalMoE)):
             shared = mlp.shared_experts
@@ -141,14 +144,15 @@ def _layer(layer: nn.Layer) -> CompiledLayer:
     return CompiledLayer(**common, moe=_moe(mlp))
 
 
-def describe(model: nn.Layer, max_positions: int) -> CompiledModel:
+def describe(model: nn.Layer, max_positions: int, layers: Sequence[nn.Layer] | None = None) -> CompiledModel:
     """The description of a model `unsupported_reason` accepts, with rotary tables for positions
-    [0, max_positions)."""
+    [0, max_positions); `layers`: these decoder layers instead of the model's (its MTP layer)."""
     cfg, decoder = model.config, model.model
+    layers = decoder.layers if layers is None else layers
     cos, sin = ops.rotary_cos_sin(paddle.arange(max_positions, dtype="int64"), cfg.head_dim, decoder.rotary.base)
-    attn = decoder.layers[0].self_attn
+    attn = layers[0].self_attn
     return CompiledModel(
-        layers=tuple(_layer(layer) for layer in decoder.layers), hidden=cfg.hidden_size, heads=attn.num_heads,
+        layers=tuple(_layer(layer) for layer in layers), hidden=cfg.hidden_size, heads=attn.num_heads,
         kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, eps=decoder.norm.eps, attn_scale=attn.attn.scale,
         interleaved=decoder.rotary.interleaved, embedding=decoder.embed_tokens.weight.value,
         lm_head=model.lm_head.packed, final_norm=decoder.norm.weight, cos=cos, sin=sin, max_positions=max_positions)
