@@ -22,7 +22,7 @@ test: install
 # The op, compiled-step and shape-sweep tests against the custom ops built with AddressSanitizer and
 # UndefinedBehaviorSanitizer (tools/sanitize.py; custom_ops/README.md): the first report fails the run.
 SANITIZE_TESTS := tests/test_ops.py tests/test_moe_op.py tests/test_pack_op.py tests/test_sampling_op.py \
-	tests/test_compiled_step.py tests/test_shape_sweep.py
+	tests/test_compiled_step.py tests/test_shape_sweep.py tests/test_mtp.py
 
 sanitize: install
 	$(VENV)/bin/python tools/sanitize.py $(SANITIZE_TESTS)

@@ -53,6 +53,12 @@ struct StepModel {
   const float* sin_table;
   int64_t max_positions;
   int32_t cache_kind;
+  // ERNIE-4.5's MTP layer as the model (mtp_proj.w != nullptr): a step's input rows (StepBatch::input_hidden) are
+  // the main model's final hidden states h, and its first layer's input is mtp_proj [2H, H] applied to
+  // [rms(embedding(ids)) * mtp_emb_norm, rms(h) * mtp_hidden_norm].
+  const float* mtp_emb_norm;
+  const float* mtp_hidden_norm;
+  MoeWeight mtp_proj;
 };
 
 struct StepBatch {
@@ -73,8 +79,8 @@ struct StepBatch {
   const int64_t* hidden_rows;  // [n_hidden]: rows whose final-normed hidden states go to `hidden` (MTP drafting)
   float* hidden;               // [n_hidden, hidden]
   int64_t n_hidden;
-  const float* input_hidden;   // [T, hidden] or nullptr: the first layer's input rows instead of the ids' embedding
-                               // (ERNIE-4.5's MTP layer: its input is a projection of embedding and hidden state)
+  const float* input_hidden;   // [T, hidden] or nullptr: the first layer's input rows instead of the ids' embedding;
+                               // for an MTP model (StepModel::mtp_proj) the hidden states its input is made from
 };
 
 // Where a step's time goes (the benchmarks report the share outside the weight-streaming GEMMs). Keep in
@@ -128,7 +134,7 @@ void linear(const KernelTable& kt, const float* x, const MoeWeight& w, const flo
 }
 
 struct Buffers {
-  float *resid, *x, *y, *qkv, *attn, *ug, *act, *cos, *sin, *rows_y, *rows_r, *moe_w;
+  float *resid, *x, *y, *qkv, *attn, *ug, *act, *cos, *sin, *rows_y, *rows_r, *moe_w, *joined;
   int64_t *moe_ids, *q_start, *slots;
   // The last layer's kept rows (kept_rows): each request's first kept row and first kept index, logit row r's
   // and hidden row h's index among them; no queries (B + 1 zeros) and no slots (-1s) for the attention calls
@@ -161,6 +167,7 @@ int64_t carve(const StepModel& m, int64_t T, int64_t B, int64_t R, int64_t n_hid
   b->hidden_at = reinterpret_cast<int64_t*>(c.take(2 * n_hidden));
   b->no_queries = reinterpret_cast<int64_t*>(c.take(2 * (B + 1)));
   b->no_slots = reinterpret_cast<int64_t*>(c.take(2 * T));
+  b->joined = c.take(m.mtp_proj.w != nullptr ? T * 2 * H : 0);  // an MTP model's [embedding | hidden] rows
   return c.used;
 }
 
@@ -201,6 +208,10 @@ bool check_model(const StepModel& m) {
     return fail("model: rotary tables or final norm missing");
   if (!check_weight(m.embedding, "the embedding", -1, H, -1) || !check_weight(m.lm_head, "the LM head", -1, H, -1))
     return false;
+  if (m.mtp_proj.w != nullptr) {
+    if (m.mtp_emb_norm == nullptr || m.mtp_hidden_norm == nullptr) return fail("model: an MTP norm is missing");
+    if (!check_weight(m.mtp_proj, "the MTP projection", -1, 2 * H, H)) return false;
+  }
   const int64_t QD = m.heads * D, KD = m.kv_heads * D;
   for (int64_t l = 0; l < m.num_layers; ++l) {
     const StepLayer& L = m.layers[l];
@@ -258,6 +269,8 @@ bool check_batch(const StepModel& m, const StepBatch& s) {
       s.logits == nullptr)))
     return fail("batch: %lld tokens, %lld requests, %lld logit rows, %lld blocks per table", (long long)s.T,
                 (long long)s.B, (long long)s.R, (long long)s.max_blocks);
+  if (m.mtp_proj.w != nullptr && s.input_hidden == nullptr)
+    return fail("batch: an MTP model's step needs the hidden states its input is made from (input_hidden)");
   for (int64_t t = 0; t < s.T; ++t) {
     if (s.positions[t] < 0 || s.positions[t] >= m.max_positions)
       return fail("batch: position %lld outside [0, %lld)", (long long)s.positions[t], (long long)m.max_positions);
@@ -438,7 +451,16 @@ extern "C" __attribute__((visibility("default"))) int fd_decoder_step(const fd::
     std::memcpy(b.cos + t * half, m.cos_table + s.positions[t] * half, half * sizeof(float));
     std::memcpy(b.sin + t * half, m.sin_table + s.positions[t] * half, half * sizeof(float));
   }
-  if (s.input_hidden != nullptr)
+  if (m.mtp_proj.w != nullptr) {  // the MTP layer's input: the projection of [normed embedding | normed h]
+    packed_columns(m.embedding.w, m.embedding.scales, m.embedding.fmt, m.embedding.K, m.embedding.N, s.ids, T, b.x);
+    kt.rms_norm(b.x, nullptr, m.mtp_emb_norm, b.x, nullptr, T, H, m.eps);
+    kt.rms_norm(s.input_hidden, nullptr, m.mtp_hidden_norm, b.y, nullptr, T, H, m.eps);
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(b.joined + t * 2 * H, b.x + t * H, H * sizeof(float));
+      std::memcpy(b.joined + t * 2 * H + H, b.y + t * H, H * sizeof(float));
+    }
+    linear(kt, b.joined, m.mtp_proj, nullptr, b.resid, T);
+  } else if (s.input_hidden != nullptr)
     std::memcpy(b.resid, s.input_hidden, T * H * sizeof(float));
   else
     packed_columns(m.embedding.w, m.embedding.scales, m.embedding.fmt, m.embedding.K, m.embedding.N, s.ids, T,

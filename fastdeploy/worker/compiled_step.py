@@ -62,7 +62,8 @@ class _Model(ctypes.Structure):
                 ("kv_heads", _i64), ("head_dim", _i64), ("max_ffn", _i64), ("max_top_k", _i64), ("cache_slots", _i64),
                 ("block_size", _i64), ("eps", _f32), ("attn_scale", _f32), ("interleaved", _i32),
                 ("embedding", _Weight), ("lm_head", _Weight), ("final_norm", _ptr), ("cos_table", _ptr),
-                ("sin_table", _ptr), ("max_positions", _i64), ("cache_kind", _i32)]
+                ("sin_table", _ptr), ("max_positions", _i64), ("cache_kind", _i32), ("mtp_emb_norm", _ptr),
+                ("mtp_hidden_norm", _ptr), ("mtp_proj", _Weight)]
 
 
 class _Batch(ctypes.Structure):
@@ -120,8 +121,8 @@ class CompiledDecoder:
     """One model's compiled forward step; holds references to everything the library points into."""
 
     def __init__(self, lib: OpsLibrary, model: nn.Layer, kv_caches: Sequence[paddle.Tensor],
-                 block_size: int, max_positions: int, layers: Sequence[nn.Layer] | None = None) -> None:
-        described = describe(model, max_positions, layers)
+                 block_size: int, max_positions: int, mtp: bool = False) -> None:
+        described = describe(model, max_positions, mtp)
         _check_caches(kv_caches, len(described.layers), described.kv_heads, described.head_dim, block_size)
         self._keep: list[Any] = [model, list(kv_caches), described]  # described holds the rotary tables
         layers = [_layer(layer, cache) for layer, cache in zip(described.layers, kv_caches)]
@@ -134,7 +135,9 @@ class CompiledDecoder:
             interleaved=described.interleaved, embedding=_weight(described.embedding),
             lm_head=_weight(described.lm_head), final_norm=_address(described.final_norm),
             cos_table=described.cos.data_ptr(), sin_table=described.sin.data_ptr(),
-            max_positions=described.max_positions, cache_kind=cache_kind(kv_caches[0]))
+            max_positions=described.max_positions, cache_kind=cache_kind(kv_caches[0]),
+            mtp_emb_norm=_address(described.mtp_emb_norm), mtp_hidden_norm=_address(described.mtp_hidden_norm),
+            mtp_proj=_weight(described.mtp_proj))
         self.vocab = described.vocab
         self.hidden_size = described.hidden
         # What `hidden` answers after a step without hidden rows: one shared empty array, no allocation per step.
@@ -178,15 +181,15 @@ class CompiledDecoder:
 
     @classmethod
     def build(cls, model: nn.Layer, kv_caches: Sequence[paddle.Tensor], block_size: int,
-              max_positions: int, layers: Sequence[nn.Layer] | None = None) -> CompiledDecoder | None:
-        """The compiled step for `model` (`layers`: these decoder layers of it instead of its own, e.g. its MTP
-        layer, whose input rows a call then gives), or None (logged) when it must run layer by layer."""
+              max_positions: int, mtp: bool = False) -> CompiledDecoder | None:
+        """The compiled step for `model` (`mtp`: for its MTP layer, whose calls give the main model's hidden
+        states as input_hidden), or None (logged) when it must run layer by layer."""
         lib = ops.library()
-        reason = "the compiled ops are unavailable" if lib is None else unsupported_reason(model, layers)
+        reason = "the compiled ops are unavailable" if lib is None else unsupported_reason(model, mtp)
         if reason is not None:
-            logger.info("%s runs layer by layer: %s", "forward" if layers is None else "the MTP layer", reason)
+            logger.info("%s runs layer by layer: %s", "the MTP layer" if mtp else "forward", reason)
             return None
-        return cls(lib, model, kv_caches, block_size, max_positions, layers)
+        return cls(lib, model, kv_caches, block_size, max_positions, mtp)
 
     @staticmethod
     def covers(inputs: ForwardBatch) -> ForwardBatch | None:
@@ -202,7 +205,7 @@ class CompiledDecoder:
     def forward(self, inputs: ForwardBatch, input_hidden: np.ndarray | None = None) -> paddle.Tensor | None:
         """The batch's forward pass (writing its K/V into the cache): logits [R, vocab] of `logit_rows`,
         None when no row needs them. Only batches `covers` returned. `input_hidden` (float32 [T, hidden]): the
-        first layer's input rows instead of the tokens' embedding."""
+        first layer's input rows instead of the tokens' embedding (an MTP step: the hidden states it starts from)."""
         rows = len(inputs.logit_rows)
         logits = paddle.empty([rows, self.vocab], dtype="float32")
         self._run(inputs, logits.data_ptr() if rows else None, None, input_hidden=input_hidden)

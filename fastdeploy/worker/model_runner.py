@@ -134,9 +134,8 @@ class ModelRunner:
 
     def _mtp_proposer(self) -> MtpProposer:
         """The MTP layer's drafter, on the compiled step when it covers the layer (its own cache, the last)."""
-        layer, cache = self.model.model.mtp_block[0], self.kv_caches[-1]
-        compiled = CompiledDecoder.build(self.model, [cache], self.config.block_size, self.config.max_model_len,
-                                         layers=[layer]) if self.workers is None else None
+        compiled = CompiledDecoder.build(self.model, self.kv_caches[-1:], self.config.block_size,
+                                         self.config.max_model_len, mtp=True) if self.workers is None else None
         return MtpProposer(self.model, self.kv_caches, self.config.block_size, compiled)
 
     def _ask_workers(self, message: object | None = None) -> list:
@@ -177,11 +176,11 @@ class ModelRunner:
             else:
                 output = self.sampling(step, self.compiled.forward(batch), wait_for_masks)
             if step.mtp is not None:
-                hidden = paddle.to_tensor(self.compiled.hidden)
+                hidden = self.compiled.hidden
         elif step.mtp is not None:  # one rank (EngineConfig): the hidden states are here
             all_hidden = forward_hidden(self.model, step.forward, self.config.block_size, self.kv_caches, self.vision)
             output = self.sampling(step, _logits(self.model, step.forward, all_hidden), wait_for_masks)
-            hidden = paddle.gather(all_hidden, paddle.to_tensor(step.forward.hidden_rows))
+            hidden = paddle.gather(all_hidden, paddle.to_tensor(step.forward.hidden_rows)).numpy()
         else:
             output = self.sampling(step, self._layer_forward(step.forward), wait_for_masks)
         if step.mtp is not None:

@@ -22,7 +22,7 @@ import paddle
 from paddle import nn
 
 from fastdeploy.model_executor.forward_context import build_forward_context, forward_context
-from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward, mtp_input
+from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward
 from fastdeploy.step_types import ForwardBatch, SchedulerOutput, TopLogprobs
 from fastdeploy.worker.compiled_step import CompiledDecoder
 
@@ -48,7 +48,7 @@ class MtpProposer:
                  compiled: CompiledDecoder | None = None) -> None:
         self.model, self.kv_caches, self.block_size, self.compiled = model, kv_caches, block_size, compiled
 
-    def propose(self, step: SchedulerOutput, sampled: Sequence[int], hidden: paddle.Tensor
+    def propose(self, step: SchedulerOutput, sampled: Sequence[int], hidden: np.ndarray
                 ) -> tuple[list[list[int]], list[list[TopLogprobs]]]:
         """Each MtpRows entry's drafts for its next step, and their logprobs where asked (MtpRows.logprobs_k);
         `hidden` [len(hidden_rows), H]: the main model's final hidden states of step.forward.hidden_rows."""
@@ -60,7 +60,7 @@ class MtpProposer:
         tops: list[list[TopLogprobs]] = [[] for _ in limits]
         active = [e for e, limit in enumerate(limits) if limit > 0]
         logits, last = self._layer(rows.ids, rows.positions, rows.lens, ends, table,
-                                   paddle.gather(hidden, _index(rows.sources)), [rows.last_rows[e] for e in active])
+                                   hidden[rows.sources], [rows.last_rows[e] for e in active])
         for j in range(max(limits, default=0)):
             tokens = logits.argmax(axis=-1).tolist()
             for e, token in zip(active, tokens):
@@ -77,28 +77,28 @@ class MtpProposer:
             active = [active[i] for i in going]
             ends_j = [ends[e] + j + 1 for e in active]
             logits, last = self._layer([drafts[e][-1] for e in active], [end - 1 for end in ends_j], [1] * len(active),
-                                       ends_j, table[active], paddle.gather(last, _index(going)),
-                                       list(range(len(active))))
+                                       ends_j, table[active], last[going], list(range(len(active))))
         return drafts, tops
 
     def _layer(self, ids: list[int], positions: list[int], lens: list[int], ends: list[int], table: np.ndarray,
-               hidden: paddle.Tensor, out_rows: list[int]) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
-        """The MTP layer over a ragged batch (its K/V into its cache): the logits and the outputs o of `out_rows`."""
-        token_ids = paddle.to_tensor(np.asarray(ids, np.int64))
-        if self.compiled is not None:
+               hidden: np.ndarray, out_rows: list[int]) -> tuple[paddle.Tensor | None, np.ndarray | None]:
+        """The MTP layer over a ragged batch (its K/V into its cache) from the hidden states [T, H] its rows
+        start from: the logits and the outputs o of `out_rows`."""
+        if self.compiled is not None:  # the whole layer, its input made from `hidden`, in one compiled call
             rows = np.asarray(out_rows, np.int64)
             batch = ForwardBatch(np.asarray(ids, np.int64), np.asarray(positions, np.int64), np.asarray(lens, np.int64),
                                  np.asarray(ends, np.int64), table, rows, hidden_rows=rows)
-            logits = self.compiled.forward(batch, mtp_input(self.model, token_ids, hidden).numpy())
-            return logits, paddle.to_tensor(self.compiled.hidden) if out_rows else None
+            logits = self.compiled.forward(batch, np.ascontiguousarray(hidden, dtype=np.float32))
+            return logits, self.compiled.hidden if out_rows else None
         ctx = build_forward_context(np.asarray(lens, np.int64), np.asarray(ends, np.int64), table, self.block_size,
                                     self.kv_caches)
         with forward_context(ctx):
-            out = mtp_forward(self.model, token_ids, paddle.to_tensor(np.asarray(positions, np.int64)), hidden)
+            out = mtp_forward(self.model, paddle.to_tensor(np.asarray(ids, np.int64)),
+                              paddle.to_tensor(np.asarray(positions, np.int64)), paddle.to_tensor(hidden))
         if not out_rows:
             return None, None
         last = paddle.gather(out, _index(out_rows))
-        return self.model.compute_logits(last), last
+        return self.model.compute_logits(last), last.numpy()
 
     @staticmethod
     def _top(row: np.ndarray, token: int, k: int) -> TopLogprobs:

@@ -85,6 +85,10 @@ class CompiledModel:
     cos: paddle.Tensor
     sin: paddle.Tensor
     max_positions: int
+    # The MTP layer as the model: the norms of its embedding and hidden-state halves and its projection.
+    mtp_emb_norm: paddle.Tensor | None = None
+    mtp_hidden_norm: paddle.Tensor | None = None
+    mtp_proj: PackedWeight | None = None
 
     @property
     def max_ffn(self) -> int:
@@ -99,15 +103,14 @@ class CompiledModel:
         return self.lm_head.n
 
 
-def unsupported_reason(model: nn.Layer, layers: Sequence[nn.Layer] | None = None) -> str | None:
-    """Why `model` (or `layers` of it, with its embedding, final norm and head) must run layer by layer (None:
-    the compiled step covers it)."""
+def unsupported_reason(model: nn.Layer, mtp: bool = False) -> str | None:
+    """Why `model` (`mtp`: its MTP layer) must run layer by layer (None: the compiled step covers it)."""
     decoder = getattr(model, "model", None)
     if not hasattr(decoder, "layers") or not hasattr(model, "lm_head"):
         return f"{type(model).__name__} is not a decoder CausalLM"
     if model.lm_head.tp.size != 1:
         return "tensor parallel"
-    for layer in decoder.layers if layers is None else layers:
+    for layer in _layers(model, mtp):
         mlp = layer.mlp
         if isinstance(mlp, (SparseMoE, MultimodalMoE)):
             shared = mlp.shared_experts
@@ -144,15 +147,22 @@ def _layer(layer: nn.Layer) -> CompiledLayer:
     return CompiledLayer(**common, moe=_moe(mlp))
 
 
-def describe(model: nn.Layer, max_positions: int, layers: Sequence[nn.Layer] | None = None) -> CompiledModel:
+def _layers(model: nn.Layer, mtp: bool) -> Sequence[nn.Layer]:
+    return model.model.mtp_block if mtp else model.model.layers
+
+
+def describe(model: nn.Layer, max_positions: int, mtp: bool = False) -> CompiledModel:
     """The description of a model `unsupported_reason` accepts, with rotary tables for positions
-    [0, max_positions); `layers`: these decoder layers instead of the model's (its MTP layer)."""
+    [0, max_positions); `mtp`: its MTP layer (ernie4_5_mtp.py) as the model, its input made from hidden states."""
     cfg, decoder = model.config, model.model
-    layers = decoder.layers if layers is None else layers
+    layers = _layers(model, mtp)
     cos, sin = ops.rotary_cos_sin(paddle.arange(max_positions, dtype="int64"), cfg.head_dim, decoder.rotary.base)
     attn = layers[0].self_attn
     return CompiledModel(
         layers=tuple(_layer(layer) for layer in layers), hidden=cfg.hidden_size, heads=attn.num_heads,
         kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, eps=decoder.norm.eps, attn_scale=attn.attn.scale,
         interleaved=decoder.rotary.interleaved, embedding=decoder.embed_tokens.weight.value,
-        lm_head=model.lm_head.packed, final_norm=decoder.norm.weight, cos=cos, sin=sin, max_positions=max_positions)
+        lm_head=model.lm_head.packed, final_norm=decoder.norm.weight, cos=cos, sin=sin, max_positions=max_positions,
+        mtp_emb_norm=decoder.mtp_emb_norm[0].weight if mtp else None,
+        mtp_hidden_norm=decoder.mtp_hidden_norm[0].weight if mtp else None,
+        mtp_proj=decoder.mtp_linear_proj[0].packed if mtp else None)

@@ -53,21 +53,15 @@ def attach_mtp(model: CausalLM, moe: bool) -> None:
 
 
 @paddle.no_grad()
-def mtp_input(model: CausalLM, token_ids: paddle.Tensor, hidden: paddle.Tensor) -> paddle.Tensor:
-    """z [T, H], the MTP block's input, from token_ids [T] (each row's x_{i+1}) and hidden [T, H] (h_i)."""
-    decoder = model.model
-    embedded = decoder.mtp_emb_norm[0](decoder.embed_tokens(token_ids))
-    joined = paddle.concat([embedded, decoder.mtp_hidden_norm[0](hidden.astype(embedded.dtype))], axis=-1)
-    return decoder.mtp_linear_proj[0](joined)
-
-
-@paddle.no_grad()
 def mtp_forward(model: CausalLM, token_ids: paddle.Tensor, positions: paddle.Tensor,
                 hidden: paddle.Tensor) -> paddle.Tensor:
     """The MTP layer over a ragged batch (under a forward context whose caches include its layer): token_ids
-    [T] (each row's x_{i+1}), positions [T] (i), hidden [T, H] (h_i) -> o [T, H]."""
+    [T] (each row's x_{i+1}), positions [T] (i), hidden [T, H] (h_i) -> o [T, H]. The compiled step computes the
+    same (custom_ops/decoder_step.cc, an MTP model)."""
     decoder = model.model
-    out, residual = decoder.mtp_block[0](mtp_input(model, token_ids, hidden), None, decoder.rotary,
+    embedded = decoder.mtp_emb_norm[0](decoder.embed_tokens(token_ids))
+    joined = paddle.concat([embedded, decoder.mtp_hidden_norm[0](hidden.astype(embedded.dtype))], axis=-1)
+    out, residual = decoder.mtp_block[0](decoder.mtp_linear_proj[0](joined), None, decoder.rotary,
                                          decoder.rotary.cos_sin(positions))
     out, _ = decoder.norm(out, residual)
     return out
