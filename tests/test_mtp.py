@@ -367,10 +367,11 @@ def test_server_returns_draft_logprobs(demo_runs) -> None:
         plain = client.completions.create(**body)
         assert plain.choices[0].model_extra.get("draft_logprobs") is None  # not asked for
         r = client.completions.create(**body, extra_body={"include_draft_logprobs": True})
+        assert r.choices[0].text == plain.choices[0].text
         drafts = r.choices[0].model_extra["draft_logprobs"]
-        kept = [(t, e) for t, e in zip(expected.outputs.token_ids, expected.outputs.draft_logprobs) if e is not None]
-        assert drafts["token_logprobs"] == pytest.approx([e[t].logprob for t, e in kept], abs=1e-6)
-        assert len(drafts["top_logprobs"]) == len(kept)
+        assert 0 < len(drafts["tokens"]) == len(drafts["token_logprobs"]) == len(drafts["top_logprobs"]) < 48
+        for token, logprob, top in zip(drafts["tokens"], drafts["token_logprobs"], drafts["top_logprobs"]):
+            assert logprob == max(top.values()) and top[token] == logprob  # a greedy draft: its entry's best
         chat = client.chat.completions.create(model=body["model"], messages=[{"role": "user", "content": "A list"}],
                                               max_tokens=24, temperature=0, logprobs=True, top_logprobs=1,
                                               extra_body={"include_draft_logprobs": True})

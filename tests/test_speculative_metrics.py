@@ -1,7 +1,7 @@
 """Speculative decoding's metrics in /metrics (FastDeploy's `fastdeploy:spec_decode_*`): a server on the demo model
-with n-gram drafts answers greedy requests whose output repeats itself. Its counters then hold exactly the drafts
-and acceptances LLM.generate reports for the same requests run alone, the emitted tokens are the outputs' tokens
-(each step's accepted drafts and one token of the model's own), and the rate is accepted / drafted. Without a
+with n-gram drafts answers greedy requests whose output repeats itself. Its counters then hold exactly the
+acceptances the requests' streams show (each step emits its accepted drafts and one token of the model's own),
+more drafts than that, the outputs' tokens as emitted, and the rate is accepted / drafted. Without a
 speculative_config none of them exists (tests/test_metrics.py)."""
 from __future__ import annotations
 
@@ -27,9 +27,6 @@ class Run:
 
     prompt_token_ids: list[int]
     text: str
-    drafted: int
-    accepted: int
-    steps: int  # stream deltas: one per step, each emitting the step's accepted drafts and one token more
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +40,8 @@ def runs() -> dict[str, Run]:
         counts = [(d.metrics.num_draft_tokens, d.metrics.num_accepted_tokens) for d in deltas]
         assert counts == sorted(counts) and deltas[-1].finished  # every delta carries the running counts
         assert sum(len(d.outputs.token_ids) for d in deltas) == MAX_TOKENS
-        out[prompt] = Run(deltas[0].prompt_token_ids, "".join(d.outputs.text for d in deltas), *counts[-1],
-                          steps=len(deltas))
+        assert len(deltas) + counts[-1][1] == MAX_TOKENS  # a delta per step: its accepted drafts and one more
+        out[prompt] = Run(deltas[0].prompt_token_ids, "".join(d.outputs.text for d in deltas))
     return out
 
 
@@ -64,16 +61,20 @@ def complete(server: Server, run: Run) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def complete_streamed(server: Server, run: Run) -> str:
-    text = []
+def complete_streamed(server: Server, run: Run) -> tuple[str, int]:
+    """The streamed text and the number of steps: with return_token_ids every step sends a chunk (its accepted
+    drafts and one token more), even when its text is held back."""
+    text, steps = [], 0
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=TIMEOUT_S,
                       json={"prompt": run.prompt_token_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-                            "ignore_eos": True, "stream": True}) as r:
+                            "ignore_eos": True, "stream": True, "return_token_ids": True}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                text += [c["text"] for c in json.loads(line[len("data: "):])["choices"]]
-    return "".join(text)
+                for choice in json.loads(line[len("data: "):])["choices"]:
+                    text.append(choice["text"])
+                    steps += bool(choice.get("completion_token_ids"))
+    return "".join(text), steps
 
 
 def test_registered_with_a_speculative_config(server: Server) -> None:
@@ -87,23 +88,30 @@ def test_registered_with_a_speculative_config(server: Server) -> None:
 
 
 def test_counts_are_the_requests_drafts_and_acceptances(server: Server, runs: dict[str, Run]) -> None:
+    """How many drafts a step verifies follows measured step times (the scheduler drafts what pays), so a
+    request's counts are read from its own stream: each step emits its accepted drafts and one token more."""
     _, before = scrape(server)
-    sent = [runs[PROMPTS[0]], runs[PROMPTS[1]]]
-    for run in sent:
-        assert complete(server, run) == run.text  # the same tokens, so the same drafts
-    sent.append(runs[PROMPTS[0]])
-    assert complete_streamed(server, sent[-1]) == sent[-1].text  # counted delta by delta
+    streamed = [runs[PROMPTS[0]], runs[PROMPTS[1]]]
+    steps = []
+    for run in streamed:
+        text, n = complete_streamed(server, run)
+        assert text == run.text  # the same tokens as LLM.generate gave
+        steps.append(n)
+    _, middle = scrape(server)
+    assert complete(server, runs[PROMPTS[0]]) == runs[PROMPTS[0]].text  # counted when its output arrives
     _, after = scrape(server)
 
-    def grew(name: str) -> float:
-        return after[f"fastdeploy:{name}"] - before[f"fastdeploy:{name}"]
+    def grew(name: str, start: dict = before, end: dict = middle) -> float:
+        return end[f"fastdeploy:{name}"] - start[f"fastdeploy:{name}"]
 
-    drafted, accepted = sum(r.drafted for r in sent), sum(r.accepted for r in sent)
-    assert 0 < accepted < drafted  # the demo model repeats itself: most drafts are right, not all
-    assert grew("spec_decode_num_draft_tokens_total") == drafted
-    assert grew("spec_decode_num_accepted_tokens_total") == accepted
-    emitted = grew("spec_decode_num_emitted_tokens_total")
-    assert emitted == grew("generation_tokens_total") == len(sent) * MAX_TOKENS == accepted + sum(r.steps for r in sent)
+    accepted = len(streamed) * MAX_TOKENS - sum(steps)
+    assert 0 < accepted == grew("spec_decode_num_accepted_tokens_total") < grew("spec_decode_num_draft_tokens_total")
+    assert grew("spec_decode_num_emitted_tokens_total") == grew("generation_tokens_total") == len(streamed) * MAX_TOKENS
+    whole = {name: grew(name, middle, after) for name in ("spec_decode_num_accepted_tokens_total",
+                                                         "spec_decode_num_draft_tokens_total",
+                                                         "spec_decode_num_emitted_tokens_total")}
+    assert 0 < whole["spec_decode_num_accepted_tokens_total"] <= whole["spec_decode_num_draft_tokens_total"]
+    assert whole["spec_decode_num_emitted_tokens_total"] == MAX_TOKENS
     # The rate is over everything since the server started.
     total_accepted = after["fastdeploy:spec_decode_num_accepted_tokens_total"]
     total_drafted = after["fastdeploy:spec_decode_num_draft_tokens_total"]
