@@ -225,8 +225,9 @@ class EngineConfig:
                                       f"for now ({self.model}), not from {where!r}")
         with Checkpoint(self.model) as checkpoint:
             if not checkpoint_has_mtp(list(checkpoint.tensors)):
-                raise ValueError(f"speculative_config method 'mtp': {self.model} has no MTP tensors (mtp_linear_proj.0, "
-                                 "mtp_block.0, ...; ERNIE-4.5's -Paddle and -PT checkpoints ship them); use 'ngram'")
+                raise ValueError(f"speculative_config method 'mtp': {self.model} has no MTP tensors "
+                                 "(mtp_linear_proj.0, mtp_block.0, ...; ERNIE-4.5's -Paddle and -PT checkpoints ship "
+                                 "them); use 'ngram'")
 
     def _check_batched_tokens(self) -> None:
         if self.max_num_batched_tokens is None:

@@ -55,11 +55,13 @@ def paddle_layout(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
             continue  # fused with q_proj / gate_proj below
         if name.endswith("q_proj.weight"):
-            parts = [tensors["model." + name[len("ernie."):].replace("q_proj", n)].T for n in ("q_proj", "k_proj", "v_proj")]
+            hf = "model." + name[len("ernie."):]
+            parts = [tensors[hf.replace("q_proj", n)].T for n in ("q_proj", "k_proj", "v_proj")]
             out[name.replace("q_proj", "qkv_proj")] = np.ascontiguousarray(np.concatenate(parts, axis=1))
         elif name.endswith("gate_proj.weight"):
             up = tensors["model." + name[len("ernie."):].replace("gate_proj", "up_proj")]
-            out[name.replace("gate_proj", "up_gate_proj")] = np.ascontiguousarray(np.concatenate([value.T, up.T], axis=1))
+            fused = np.concatenate([value.T, up.T], axis=1)
+            out[name.replace("gate_proj", "up_gate_proj")] = np.ascontiguousarray(fused)
         else:
             out[name] = value.T.copy() if value.ndim == 2 and "moe_statics" not in name else value
     return out
@@ -201,7 +203,8 @@ class Oracle:
                         oracle.offers.append((list(step.requests[i].token_ids), drafts))
             return result
         monkeypatch.setattr(Scheduler, "update_from_output", recording_update)
-        monkeypatch.setattr(MtpDrafter, "propose", lambda drafter, tokens, limit: oracle.propose(drafter, tokens, limit))
+        monkeypatch.setattr(MtpDrafter, "propose",
+                            lambda drafter, tokens, limit: oracle.propose(drafter, tokens, limit))
 
 
 def reference_drafts(model, c: dict, tokens: list[int], drafts: list[int], kv_cache_dtype: str) -> list[bool]:
