@@ -211,14 +211,11 @@ class EngineConfig:
         self._refuse_not_yet_supported()
 
     def _check_mtp(self) -> None:
-        """MTP drafts need an ERNIE-4.5 text checkpoint that carries the layer, on one rank."""
+        """MTP drafts need an ERNIE-4.5 text checkpoint that carries the layer."""
         arch = self.model_config.architectures[0]
         if arch not in MTP_ARCHITECTURES:
             raise ValueError(f"speculative_config method 'mtp' needs an ERNIE-4.5 text model (dense or MoE); {arch} "
                              "has no MTP layer (use 'ngram')")
-        if self.tensor_parallel_size > 1:
-            raise NotImplementedError("speculative_config method 'mtp' runs on one rank for now; use "
-                                      "tensor_parallel_size=1 or method 'ngram'")
         where = self.speculative.model
         if where is not None and os.path.realpath(where) != os.path.realpath(self.model):
             raise NotImplementedError("speculative_config model: MTP weights are read from the model's own checkpoint "

@@ -30,6 +30,29 @@ class Step:
 
 
 @dataclass(slots=True)
+class MtpLayerStep:
+    """One run of the MTP layer, as every tensor-parallel rank runs it: its rows' tokens, positions, lengths and
+    context ends, the block table, where its input hidden states are (`from_main`: rows of the main model's hidden
+    states of the step, else rows of the previous run's outputs), and the rows whose outputs and logits it keeps."""
+
+    ids: list[int]
+    positions: list[int]
+    lens: list[int]
+    ends: list[int]
+    table: np.ndarray
+    from_main: bool
+    sources: list[int]
+    out_rows: list[int]
+
+
+@dataclass(slots=True)
+class MtpStep:
+    """Run the MTP layer so (no reply, as Step)."""
+
+    step: MtpLayerStep
+
+
+@dataclass(slots=True)
 class GetParameters:
     pass
 

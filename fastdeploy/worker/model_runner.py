@@ -29,7 +29,7 @@ from fastdeploy.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutp
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
 from fastdeploy.worker.kv_plan import kv_block_bytes, num_kv_blocks
-from fastdeploy.worker.mtp_proposer import MtpProposer
+from fastdeploy.worker.mtp_proposer import MtpLayer, MtpProposer
 from fastdeploy.worker.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,15 @@ def _logits(model: nn.Layer, inputs: ForwardBatch, hidden: paddle.Tensor) -> pad
     if not len(inputs.logit_rows):
         return None
     return model.compute_logits(paddle.gather(hidden, paddle.to_tensor(inputs.logit_rows)))
+
+
+def run_step_keeping(model: nn.Layer, inputs: ForwardBatch, block_size: int, kv_caches: Sequence[paddle.Tensor],
+                     vision: VisionCache | None = None) -> tuple[paddle.Tensor | None, np.ndarray]:
+    """run_step, and the final hidden states of the batch's hidden_rows (numpy) for the MTP layer."""
+    hidden = forward_hidden(model, inputs, block_size, kv_caches, vision)
+    kept = paddle.gather(hidden, paddle.to_tensor(inputs.hidden_rows)).numpy() if len(inputs.hidden_rows) else \
+        np.zeros((0, hidden.shape[-1]), np.float32)
+    return _logits(model, inputs, hidden), kept
 
 
 class VisionCache:
@@ -136,7 +145,7 @@ class ModelRunner:
         """The MTP layer's drafter, on the compiled step when it covers the layer (its own cache, the last)."""
         compiled = CompiledDecoder.build(self.model, self.kv_caches[-1:], self.config.block_size,
                                          self.config.max_model_len, mtp=True) if self.workers is None else None
-        return MtpProposer(self.model, self.kv_caches, self.config.block_size, compiled)
+        return MtpProposer(MtpLayer(self.model, self.kv_caches, self.config.block_size, compiled), self.workers)
 
     def _ask_workers(self, message: object | None = None) -> list:
         """Send `message` to every worker (if given) and wait for each one's reply."""
@@ -177,10 +186,11 @@ class ModelRunner:
                 output = self.sampling(step, self.compiled.forward(batch), wait_for_masks)
             if step.mtp is not None:
                 hidden = self.compiled.hidden
-        elif step.mtp is not None:  # one rank (EngineConfig): the hidden states are here
-            all_hidden = forward_hidden(self.model, step.forward, self.config.block_size, self.kv_caches, self.vision)
-            output = self.sampling(step, _logits(self.model, step.forward, all_hidden), wait_for_masks)
-            hidden = paddle.gather(all_hidden, paddle.to_tensor(step.forward.hidden_rows)).numpy()
+        elif step.mtp is not None:  # every rank keeps its hidden states for the MTP layer's runs
+            def forward() -> tuple[paddle.Tensor | None, np.ndarray]:
+                return run_step_keeping(self.model, step.forward, self.config.block_size, self.kv_caches, self.vision)
+            logits, hidden = forward() if self.workers is None else self.workers.run_step(step.forward, forward)
+            output = self.sampling(step, logits, wait_for_masks)
         else:
             output = self.sampling(step, self._layer_forward(step.forward), wait_for_masks)
         if step.mtp is not None:

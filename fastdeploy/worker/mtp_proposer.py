@@ -24,7 +24,10 @@ from paddle import nn
 from fastdeploy.model_executor.forward_context import build_forward_context, forward_context
 from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward
 from fastdeploy.step_types import ForwardBatch, SchedulerOutput, TopLogprobs
+from fastdeploy.worker import messages
+from fastdeploy.worker.messages import MtpLayerStep
 from fastdeploy.worker.compiled_step import CompiledDecoder
+from fastdeploy.worker.worker_group import WorkerGroup
 
 
 @dataclass(slots=True)
@@ -40,18 +43,53 @@ class _CatchUp:
     limits: list[int] = field(default_factory=list)
 
 
-class MtpProposer:
-    """Runs the MTP layer by the compiled step when it covers it (`compiled`: a CompiledDecoder of the MTP layer
-    alone, given its input rows), else layer by layer."""
+class MtpLayer:
+    """One rank's MTP layer runs and the hidden states they read: the main model's of the step (`main`, set after
+    its forward) and the last run's kept outputs. By the compiled step when it covers the layer (`compiled`: a
+    CompiledDecoder of the MTP layer, which makes its input from hidden states), else layer by layer."""
 
     def __init__(self, model: nn.Layer, kv_caches: Sequence[paddle.Tensor], block_size: int,
                  compiled: CompiledDecoder | None = None) -> None:
         self.model, self.kv_caches, self.block_size, self.compiled = model, kv_caches, block_size, compiled
+        self.main = self.last = np.zeros((0, model.config.hidden_size), np.float32)
+
+    def run(self, step: MtpLayerStep) -> paddle.Tensor | None:
+        """The layer over the step's rows (its K/V into its cache): the logits of `out_rows` (None: no rows), whose
+        outputs o become `last`."""
+        hidden = (self.main if step.from_main else self.last)[step.sources]
+        ids = np.asarray(step.ids, np.int64)
+        if self.compiled is not None:  # the whole layer, its input made from `hidden`, in one compiled call
+            rows = np.asarray(step.out_rows, np.int64)
+            batch = ForwardBatch(ids, np.asarray(step.positions, np.int64), np.asarray(step.lens, np.int64),
+                                 np.asarray(step.ends, np.int64), step.table, rows, hidden_rows=rows)
+            logits = self.compiled.forward(batch, np.ascontiguousarray(hidden, dtype=np.float32))
+            self.last = self.compiled.hidden
+            return logits
+        ctx = build_forward_context(np.asarray(step.lens, np.int64), np.asarray(step.ends, np.int64), step.table,
+                                    self.block_size, self.kv_caches)
+        with forward_context(ctx):
+            out = mtp_forward(self.model, paddle.to_tensor(ids), paddle.to_tensor(np.asarray(step.positions, np.int64)),
+                              paddle.to_tensor(hidden))
+        if not step.out_rows:
+            return None
+        last = paddle.gather(out, _index(step.out_rows))
+        self.last = last.numpy()
+        return self.model.compute_logits(last)  # on every rank: a vocabulary-parallel head gathers across them
+
+
+class MtpProposer:
+    """Rank 0's drafting: which rows catch up, the layer runs (sent to the tensor-parallel workers too, which run
+    them on their own hidden states), the greedy drafts and their logprobs."""
+
+    def __init__(self, layer: MtpLayer, workers: WorkerGroup | None = None) -> None:
+        self.layer, self.workers = layer, workers
 
     def propose(self, step: SchedulerOutput, sampled: Sequence[int], hidden: np.ndarray
                 ) -> tuple[list[list[int]], list[list[TopLogprobs]]]:
         """Each MtpRows entry's drafts for its next step, and their logprobs where asked (MtpRows.logprobs_k);
-        `hidden` [len(hidden_rows), H]: the main model's final hidden states of step.forward.hidden_rows."""
+        `hidden` [len(hidden_rows), H]: the main model's final hidden states of step.forward.hidden_rows (each
+        worker keeps its own)."""
+        self.layer.main = hidden
         rows = catch_up_rows(step, sampled)
         table = step.forward.block_tables[step.mtp.batch_index]
         ends = [p + 1 for p in np.asarray(rows.positions)[rows.last_rows].tolist()]
@@ -59,8 +97,8 @@ class MtpProposer:
         drafts: list[list[int]] = [[] for _ in limits]
         tops: list[list[TopLogprobs]] = [[] for _ in limits]
         active = [e for e, limit in enumerate(limits) if limit > 0]
-        logits, last = self._layer(rows.ids, rows.positions, rows.lens, ends, table,
-                                   hidden[rows.sources], [rows.last_rows[e] for e in active])
+        logits = self._run(MtpLayerStep(rows.ids, rows.positions, rows.lens, ends, table, True, rows.sources,
+                                        [rows.last_rows[e] for e in active]))
         for j in range(max(limits, default=0)):
             tokens = logits.argmax(axis=-1).tolist()
             for e, token in zip(active, tokens):
@@ -76,29 +114,15 @@ class MtpProposer:
             # One more row per drafting request: the draft just made, one position on, from the last output.
             active = [active[i] for i in going]
             ends_j = [ends[e] + j + 1 for e in active]
-            logits, last = self._layer([drafts[e][-1] for e in active], [end - 1 for end in ends_j], [1] * len(active),
-                                       ends_j, table[active], last[going], list(range(len(active))))
+            logits = self._run(MtpLayerStep([drafts[e][-1] for e in active], [end - 1 for end in ends_j],
+                                            [1] * len(active), ends_j, table[active], False, going,
+                                            list(range(len(active)))))
         return drafts, tops
 
-    def _layer(self, ids: list[int], positions: list[int], lens: list[int], ends: list[int], table: np.ndarray,
-               hidden: np.ndarray, out_rows: list[int]) -> tuple[paddle.Tensor | None, np.ndarray | None]:
-        """The MTP layer over a ragged batch (its K/V into its cache) from the hidden states [T, H] its rows
-        start from: the logits and the outputs o of `out_rows`."""
-        if self.compiled is not None:  # the whole layer, its input made from `hidden`, in one compiled call
-            rows = np.asarray(out_rows, np.int64)
-            batch = ForwardBatch(np.asarray(ids, np.int64), np.asarray(positions, np.int64), np.asarray(lens, np.int64),
-                                 np.asarray(ends, np.int64), table, rows, hidden_rows=rows)
-            logits = self.compiled.forward(batch, np.ascontiguousarray(hidden, dtype=np.float32))
-            return logits, self.compiled.hidden if out_rows else None
-        ctx = build_forward_context(np.asarray(lens, np.int64), np.asarray(ends, np.int64), table, self.block_size,
-                                    self.kv_caches)
-        with forward_context(ctx):
-            out = mtp_forward(self.model, paddle.to_tensor(np.asarray(ids, np.int64)),
-                              paddle.to_tensor(np.asarray(positions, np.int64)), paddle.to_tensor(hidden))
-        if not out_rows:
-            return None, None
-        last = paddle.gather(out, _index(out_rows))
-        return self.model.compute_logits(last), last.numpy()
+    def _run(self, step: MtpLayerStep) -> paddle.Tensor | None:
+        if self.workers is not None:
+            self.workers.send_all(messages.MtpStep(step))
+        return self.layer.run(step)
 
     @staticmethod
     def _top(row: np.ndarray, token: int, k: int) -> TopLogprobs:

@@ -68,7 +68,8 @@ class Worker:
         tp = TPGroup(self.rank, self.world_size, comm)
         ops.share_cores(self.world_size)
         self.model = load_model(config.model_config, tp, config.quant, dtype=config.dtype,
-                                lm_head_fp32=config.lm_head_fp32)
+                                lm_head_fp32=config.lm_head_fp32,
+                                mtp=config.num_kv_layers > config.model_config.num_hidden_layers)
         ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
         self.block_size = config.block_size
         self.config = config
@@ -77,21 +78,28 @@ class Worker:
         from fastdeploy.model_executor.forward_context import allocate_kv_caches
 
         mc = self.config.model_config
-        self.kv_caches = allocate_kv_caches(mc.num_hidden_layers, num_blocks, self.block_size,
+        self.kv_caches = allocate_kv_caches(self.config.num_kv_layers, num_blocks, self.block_size,
                                             kv_heads_per_rank(mc.num_key_value_heads, self.world_size), mc.head_dim,
                                             self.config.kv_cache_dtype)
 
     def serve(self) -> None:
-        from fastdeploy.worker.model_runner import VisionCache, run_step
+        from fastdeploy.worker.model_runner import VisionCache, run_step_keeping
+        from fastdeploy.worker.mtp_proposer import MtpLayer
 
         vision = VisionCache()  # the vision tower is replicated: each rank encodes a request's media itself
+        mtp: MtpLayer | None = None  # the MTP layer's runs on this rank's shard (speculative_config "mtp")
         while True:
             try:
                 message = channel.recv(self.sock)
             except (channel.ChannelClosed, OSError):
                 return  # rank 0 closed the channel
             if isinstance(message, messages.Step):
-                run_step(self.model, message.batch, self.block_size, self.kv_caches, vision)
+                _, hidden = run_step_keeping(self.model, message.batch, self.block_size, self.kv_caches, vision)
+                if len(message.batch.hidden_rows):
+                    mtp = mtp or MtpLayer(self.model, self.kv_caches, self.block_size)
+                    mtp.main = hidden
+            elif isinstance(message, messages.MtpStep):
+                mtp.run(message.step)
             elif isinstance(message, messages.Init):
                 self.start(message.config)
                 channel.send(self.sock, messages.Ready())
