@@ -10,9 +10,10 @@ Workloads, all greedy with a fixed number of output tokens (no EOS):
          docs/*.md) followed by its first words again, so a model that continues the text copies it
   fresh  random token ids: nothing in the context to copy (what speculation costs when it cannot help)
 `--random SHAPE --layers N` writes (once, into benchmarks/.cache) a random checkpoint of that shape cut to N layers,
-with an MTP layer (tools/random_checkpoint.py). Each (workload, streams) pair runs plain and with speculative_config alternately, --repeats times each, on one
-LLM per setting; the best of each is reported with the ratio and the accepted share of the drafts. Prints the
-kernels' ISA: compare figures only between runs on the same kind of machine.
+with an MTP layer (tools/random_checkpoint.py). Each (workload, streams) pair runs plain and with
+speculative_config alternately, --repeats times each, on one LLM per setting; the best of each is reported with the
+ratio and the accepted share of the drafts. Prints the kernels' ISA: compare figures only between runs on the same
+kind of machine.
 """
 from __future__ import annotations
 
