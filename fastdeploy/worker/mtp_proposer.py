@@ -11,6 +11,9 @@ The rows' MTP K/V go into the MTP layer's cache at their positions (a rejected d
 step). The last row's output gives the first draft (greedy: argmax of the shared LM head); a further draft runs
 the layer again one position on, with the previous draft as its token and the previous output as its hidden
 state (FastDeploy's chaining), its K/V in the slots the scheduler reserved past the step's tokens.
+
+`MtpProposer` (rank 0) decides the rows and the drafts; `MtpLayer` runs the layer on one rank's shard from the hidden
+states that rank kept, so with tensor parallel each run is also sent to the workers (messages.MtpStep).
 """
 from __future__ import annotations
 
