@@ -9,8 +9,8 @@ from typing import Any
 from fastdeploy.distributed.parallel_state import check_tp_size
 from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.model_resolve import DEFAULT_REVISION, resolve_model
-from fastdeploy.model_executor.quantization import QuantConfig, parse_quantization
 from fastdeploy.model_executor.checkpoint import Checkpoint
+from fastdeploy.model_executor.quantization import QuantConfig, parse_quantization
 from fastdeploy.speculative import MTP_ARCHITECTURES, MTP_LAYERS, SpeculativeConfig, checkpoint_has_mtp
 from fastdeploy.not_implemented_args import refuse_not_implemented
 from fastdeploy.reasoning.parsers import known_parsers
@@ -190,7 +190,7 @@ class EngineConfig:
         self.quant = parse_quantization(self.quantization)
         self.speculative = None if self.speculative_config is None else \
             SpeculativeConfig.from_dict(self.speculative_config)
-        if self.speculative is not None and self.speculative.method == "mtp":
+        if self.drafts_with_mtp:
             self._check_mtp()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
@@ -284,10 +284,14 @@ class EngineConfig:
         return "float32"
 
     @property
+    def drafts_with_mtp(self) -> bool:
+        """speculative_config's method is "mtp": the model is loaded with its MTP layer, which has a cache layer."""
+        return self.speculative is not None and self.speculative.method == "mtp"
+
+    @property
     def num_kv_layers(self) -> int:
         """KV cache layers: the model's, and the MTP layer's when it drafts."""
-        mtp = self.speculative is not None and self.speculative.method == "mtp"
-        return self.model_config.num_hidden_layers + (MTP_LAYERS if mtp else 0)
+        return self.model_config.num_hidden_layers + (MTP_LAYERS if self.drafts_with_mtp else 0)
 
     @property
     def max_blocks_per_seq(self) -> int:

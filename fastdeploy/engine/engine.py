@@ -25,13 +25,13 @@ from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import ScheduledStep
 from fastdeploy.engine.structured_output import StructuredOutputManager
-from fastdeploy.speculative import MtpDrafter, NgramDrafter
 from fastdeploy.engine.submission import EngineStats, RankedGroup, Route, Sink, Submission
 from fastdeploy.guided.matcher import GuidedDecoding
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.model_executor.multimodal import MultimodalInputs
 from fastdeploy.outputs import RequestMetrics, RequestOutput
 from fastdeploy.reasoning.parsers import get_reasoning_parser
+from fastdeploy.speculative import MtpDrafter, NgramDrafter
 from fastdeploy.step_types import ModelRunnerOutput
 from fastdeploy.tool_parsers.parsers import ToolParser, get_tool_parser
 from fastdeploy.worker.model_runner import ModelRunner
@@ -206,7 +206,7 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return None
-        return MtpDrafter(spec) if spec.method == "mtp" else NgramDrafter(spec)
+        return MtpDrafter(spec) if self.config.drafts_with_mtp else NgramDrafter(spec)
 
     def make_requests(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, first_index: int,
                       start: float, enable_thinking: bool = True, mm: MultimodalInputs | None = None,

@@ -10,12 +10,12 @@ import numpy as np
 
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.sampling_params import SamplingParams
-from fastdeploy.speculative import MtpDrafter, NgramDrafter
 from fastdeploy.guided.matcher import GrammarState
 from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import placeholder_error
 from fastdeploy.model_executor.multimodal import MultimodalInputs
 # The user-facing outputs, importable from here as FastDeploy's fastdeploy.engine.request path has them.
 from fastdeploy.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: F401
+from fastdeploy.speculative import MtpDrafter, NgramDrafter
 
 
 class RequestStatus(enum.Enum):

@@ -182,12 +182,10 @@ class Scheduler:
         (Drafter.length; an MTP request's were limited when it drafted them) and never more than its max_tokens
         leaves after the token it samples anyway); how many."""
         drafter = request.drafter
-        if request.forced_tokens:  # the step emits a forced token (the end of a cut thinking part), no draft after it
-            request.draft_token_ids = []
-            return 0
         worth = drafter.k if drafter.runs_in_step else drafter.length(self.draft_threshold)
-        limit = min(room, request.max_tokens - request.num_output_tokens - 1, worth)
-        drafts = request.drafter.propose(request.token_ids, limit) if limit > 0 else []
+        # No draft after a forced token (the end of a cut thinking part), which the step emits instead of a sample.
+        limit = 0 if request.forced_tokens else min(room, request.max_tokens - request.num_output_tokens - 1, worth)
+        drafts = drafter.propose(request.token_ids, limit) if limit > 0 else []
         if drafts and request.grammar is not None:
             drafts = drafts[:request.grammar.valid_drafts(drafts)]  # only what the grammar allows is worth checking
         if drafts and self.block_manager.free_after(request, 1 + len(drafts)) < 0:
@@ -251,7 +249,7 @@ class Scheduler:
                 if not request.is_finished:  # the last token and the accepted drafts went through the model
                     request.num_computed_tokens += len(emitted)
                     self.block_manager.cache_full_blocks(request)
-            if not request.is_finished and (drafts or request.drafter is not None and request.drafter.runs_in_step):
+            if request.drafter is not None and not request.is_finished:
                 self.block_manager.trim(request)  # rejected drafts' blocks, MTP slots past the tokens
             m = request.metrics  # FastDeploy's meanings: durations up to this (the latest) output token
             if m.first_token_time is None:

@@ -122,7 +122,7 @@ class ModelRunner:
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
             self.model = load_model(mc, self.tp, config.quant, dtype=config.dtype,
-                                    lm_head_fp32=config.lm_head_fp32, mtp=config.num_kv_layers > mc.num_hidden_layers)
+                                    lm_head_fp32=config.lm_head_fp32, mtp=config.drafts_with_mtp)
             ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
             self._ask_workers()  # loaded
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
@@ -139,7 +139,7 @@ class ModelRunner:
         main_caches = self.kv_caches[:mc.num_hidden_layers]  # the MTP layer's, if any, come after
         self.compiled = (CompiledDecoder.build(self.model, main_caches, config.block_size, config.max_model_len)
                          if self.workers is None else None)
-        self.mtp = self._mtp_proposer() if config.num_kv_layers > mc.num_hidden_layers else None
+        self.mtp = self._mtp_proposer() if config.drafts_with_mtp else None
 
     def _mtp_proposer(self) -> MtpProposer:
         """The MTP layer's drafter, on the compiled step when it covers the layer (its own cache, the last)."""

@@ -28,8 +28,8 @@ from fastdeploy.model_executor.forward_context import build_forward_context, for
 from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward
 from fastdeploy.step_types import ForwardBatch, SchedulerOutput, TopLogprobs
 from fastdeploy.worker import messages
-from fastdeploy.worker.messages import MtpLayerStep
 from fastdeploy.worker.compiled_step import CompiledDecoder
+from fastdeploy.worker.messages import MtpLayerStep
 from fastdeploy.worker.worker_group import WorkerGroup
 
 
