@@ -170,6 +170,11 @@ class EngineConfig:
         self.model_config = ModelConfig.from_pretrained(self.model)
 
         _check_int("max_model_len", self.max_model_len, 1, self.model_config.max_position_embeddings)
+        window = self.model_config.sliding_window
+        if window is not None and window < self.max_model_len:  # a window covering every context is exact
+            raise ValueError(f"{self.model}: sliding_window ({window}) is shorter than max_model_len "
+                             f"({self.max_model_len}); sliding-window attention is not implemented yet: pass "
+                             f"max_model_len <= {window}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_tp_size(self.tensor_parallel_size, self.model_config)
         _check_int("block_size", self.block_size, 1, 4096)
@@ -216,13 +221,12 @@ class EngineConfig:
         if arch not in MTP_ARCHITECTURES:
             raise ValueError(f"speculative_config method 'mtp' needs an ERNIE-4.5 text model (dense or MoE); {arch} "
                              "has no MTP layer (use 'ngram')")
-        where = self.speculative.model
-        if where is not None and os.path.realpath(where) != os.path.realpath(self.model):
-            raise NotImplementedError("speculative_config model: MTP weights are read from the model's own checkpoint "
-                                      f"for now ({self.model}), not from {where!r}")
-        with Checkpoint(self.model) as checkpoint:
+        where = self.mtp_weights
+        if not os.path.isdir(where):
+            raise ValueError(f"speculative_config model must be a directory holding the MTP weights, got {where!r}")
+        with Checkpoint(where) as checkpoint:
             if not checkpoint_has_mtp(list(checkpoint.tensors)):
-                raise ValueError(f"speculative_config method 'mtp': {self.model} has no MTP tensors "
+                raise ValueError(f"speculative_config method 'mtp': {where} has no MTP tensors "
                                  "(mtp_linear_proj.0, mtp_block.0, ...; ERNIE-4.5's -Paddle and -PT checkpoints ship "
                                  "them); use 'ngram'")
 
@@ -287,6 +291,14 @@ class EngineConfig:
     def drafts_with_mtp(self) -> bool:
         """speculative_config's method is "mtp": the model is loaded with its MTP layer, which has a cache layer."""
         return self.speculative is not None and self.speculative.method == "mtp"
+
+    @property
+    def mtp_weights(self) -> str | None:
+        """The directory whose MTP tensors the MTP layer loads (speculative_config model, by default the model's own
+        checkpoint); None without MTP."""
+        if not self.drafts_with_mtp:
+            return None
+        return self.speculative.model if self.speculative.model is not None else self.model
 
     @property
     def num_kv_layers(self) -> int:

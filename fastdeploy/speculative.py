@@ -18,7 +18,8 @@ speculation, greedy or sampled, with bit-identical logits.
 Drafting, "mtp" (FastDeploy's name): ERNIE-4.5's multi-token-prediction layer, run by the model runner after
 every step of a request (model_executor/models/ernie4_5_mtp.py, worker/mtp_proposer.py). It drafts greedily, so a
 draft is a point mass as well and the verification above is unchanged; `MtpDrafter` holds what the runner
-drafted until the scheduler asks.
+drafted until the scheduler asks. With FastDeploy's `mtp_strategy` "with_ngram" the layer drafts
+`num_model_steps` tokens and the n-gram lookup, run over the context followed by those drafts, adds the rest.
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ MAX_SPECULATIVE_TOKENS = 16
 MTP_LAYERS = 1  # MTP layers ERNIE-4.5 checkpoints ship (FastDeploy builds one as well); each has a KV cache layer
 # The models that carry an MTP layer (HF and Paddle spellings).
 MTP_ARCHITECTURES = ("Ernie4_5ForCausalLM", "Ernie4_5_ForCausalLM", "Ernie4_5_MoeForCausalLM")
-# FastDeploy's keys this engine takes only at their defaults (MTP, draft models and their options).
-_DEFAULTS_ONLY: dict[str, Any] = {"quantization": None, "num_model_steps": 1,
-                                  "mtp_strategy": "default", "benchmark_mode": False}
+MTP_STRATEGIES = ("default", "with_ngram")
+# FastDeploy's keys this engine takes only at their defaults (the MTP layer's own quantization, benchmarking).
+_DEFAULTS_ONLY: dict[str, Any] = {"quantization": None, "benchmark_mode": False}
 _ALIASES = {"prompt_lookup_max": "max_ngram_size", "prompt_lookup_min": "min_ngram_size"}  # vLLM's names
 
 
@@ -47,6 +48,8 @@ class SpeculativeConfig:
     max_ngram_size: int = 5  # FastDeploy's defaults
     min_ngram_size: int = 2
     model: str | None = None  # mtp: a directory holding the MTP tensors (default: the model's checkpoint)
+    num_model_steps: int | None = None  # mtp: drafts the layer makes (default: all, or 1 with "with_ngram")
+    mtp_strategy: str = "default"  # mtp: "with_ngram" extends the layer's drafts by n-gram lookup
 
     @classmethod
     def from_dict(cls, given: Mapping[str, Any]) -> SpeculativeConfig:
@@ -63,7 +66,7 @@ class SpeculativeConfig:
         for key, default in _DEFAULTS_ONLY.items():
             if key in values and values.pop(key) != default:
                 raise NotImplementedError(f"speculative_config {key} is only supported at {default!r}")
-        known = {"num_speculative_tokens", "max_ngram_size", "min_ngram_size"}
+        known = {"num_speculative_tokens", "max_ngram_size", "min_ngram_size", "num_model_steps", "mtp_strategy"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: method, model, "
@@ -74,7 +77,30 @@ class SpeculativeConfig:
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"speculative_config {name} must be an integer in [{low}, {high}], got {value!r}")
+        config._check_mtp_options()
         return config
+
+    def _check_mtp_options(self) -> None:
+        if self.mtp_strategy not in MTP_STRATEGIES:
+            raise ValueError(f"speculative_config mtp_strategy must be one of {list(MTP_STRATEGIES)}, "
+                             f"got {self.mtp_strategy!r}")
+        steps = self.num_model_steps
+        if self.method != "mtp":
+            if self.mtp_strategy != "default" or steps not in (None, 1):  # 1: FastDeploy's default, meaningless here
+                raise ValueError("speculative_config num_model_steps and mtp_strategy apply to method 'mtp' only")
+            return
+        k = self.num_speculative_tokens
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= k):
+            raise ValueError(f"speculative_config num_model_steps must be an integer in [1, num_speculative_tokens="
+                             f"{k}], got {steps!r}")
+
+    @property
+    def mtp_steps(self) -> int:
+        """Drafts the MTP layer makes per step at most: num_model_steps, by default all of them, or one when n-gram
+        lookup adds the rest (FastDeploy's default num_model_steps)."""
+        if self.num_model_steps is not None:
+            return self.num_model_steps
+        return 1 if self.mtp_strategy == "with_ngram" else self.num_speculative_tokens
 
 
 def checkpoint_has_mtp(tensor_names: Sequence[str]) -> bool:
@@ -127,19 +153,21 @@ class NgramDrafter(Drafter):
         self.ends: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in `ends`
 
-    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
-        """Up to `limit` tokens that followed the most recent earlier occurrence of the context's longest
-        matching suffix; [] when none of its last max..min tokens occurred before."""
+    def propose(self, tokens: Sequence[int], limit: int, then: Sequence[int] = ()) -> list[int]:
+        """Up to `limit` tokens that followed the most recent earlier occurrence of the longest matching suffix of
+        the context, or of the context followed by `then` (drafts not yet verified, never indexed); [] when none of
+        its last max..min tokens occurred before."""
         last = len(tokens) - 1
         ends = self.ends
         for end in range(self.indexed, last):  # index the n-grams ending at positions indexed..last-1
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                 ends[tuple(tokens[end + 1 - n:end + 1])] = end + 1
         self.indexed = max(self.indexed, last)
-        for n in range(min(self.max_n, last), self.min_n - 1, -1):
-            start = ends.get(tuple(tokens[len(tokens) - n:]))
-            if start is not None:
-                return list(tokens[start:start + limit])
+        tail = [*tokens[-self.max_n:], *then]
+        for n in range(min(self.max_n, last + len(then)), self.min_n - 1, -1):
+            start = ends.get(tuple(tail[len(tail) - n:]))
+            if start is not None:  # start <= last: what follows is in the context, then in `then`
+                return [*tokens[start:start + limit], *then[:max(0, start + limit - len(tokens))]]
         return []
 
 
@@ -148,7 +176,7 @@ class MtpDrafter(Drafter):
     hands them over with the number of tokens they follow; `propose` gives them while they still follow the
     request's tokens (a stop string taken back or a preemption makes them stale)."""
 
-    __slots__ = ("drafts", "logprobs", "after", "limit")
+    __slots__ = ("drafts", "logprobs", "after", "limit", "steps", "worth", "ngram")
     runs_in_step = True  # every step of the request feeds the MTP layer
 
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -156,13 +184,20 @@ class MtpDrafter(Drafter):
         self.drafts: list[int] = []
         self.logprobs: list[Any] = []  # the drafts' TopLogprobs when the request asked for logprobs
         self.after = -1  # len(token_ids) the drafts follow
-        self.limit = 0  # drafts the runner makes after this step (the scheduler sets it: see Scheduler._lookahead)
+        self.steps = config.mtp_steps
+        # Set by the scheduler each step (Scheduler._lookahead): drafts the runner makes after this step (at most
+        # `steps`), and drafts worth verifying next step, n-gram ones included.
+        self.limit = self.worth = 0
+        self.ngram = NgramDrafter(config) if config.mtp_strategy == "with_ngram" else None
 
     def offer(self, drafts: list[int], num_tokens: int, logprobs: list[Any]) -> None:
         self.drafts, self.logprobs, self.after = drafts, logprobs, num_tokens
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
-        return self.drafts[:limit] if len(tokens) == self.after else []
+        drafts = self.drafts[:limit] if len(tokens) == self.after else []
+        if self.ngram is not None and len(drafts) < limit:
+            drafts += self.ngram.propose(tokens, limit - len(drafts), drafts)
+        return drafts
 
     def accepted_logprobs(self, accepted: int) -> list[Any]:
         """The logprobs of the first `accepted` drafts proposed (those the step emitted), if any were made."""

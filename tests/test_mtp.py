@@ -16,6 +16,8 @@ from safetensors.numpy import save_file
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.engine.sampling_params import GuidedDecodingParams
 from fastdeploy.model_executor.checkpoint import Checkpoint
+from fastdeploy.model_executor.load import load_model
+from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
 from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward
 from fastdeploy.speculative import MtpDrafter
@@ -338,11 +340,74 @@ def test_mtp_where_it_cannot_run_is_refused_before_loading(fixture, extra, error
         LLM(model=str(MODELS / fixture), speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **extra)
 
 
-def test_mtp_weights_from_elsewhere_are_refused(tmp_path) -> None:
-    path = with_mtp(tmp_path, "ernie45_tiny_hf")
-    with pytest.raises(NotImplementedError, match="model's own checkpoint"):
-        LLM(model=str(path), speculative_config={"method": "mtp", "model": str(tmp_path)})
-    assert LLM(model=str(path), speculative_config={"method": "mtp", "model": str(path)}).config.speculative.model
+def test_mtp_weights_from_a_directory_of_their_own(tmp_path) -> None:
+    """FastDeploy's `"model": ".../mtp"`: the MTP tensors come from that directory (the same parameters as when the
+    checkpoint carries them), the rest from the model's."""
+    from tests.test_speculative import generate, mixed_params, repeating_prompts
+
+    path = with_mtp(tmp_path, "ernie45_tiny_paddle", seed=3)
+    apart = tmp_path / "mtp"
+    apart.mkdir()
+    with Checkpoint(str(path)) as checkpoint:
+        save_file({n: checkpoint.read(n) for n in checkpoint.tensors if ".mtp_" in n}, str(apart / "model.safetensors"))
+    config = ModelConfig.from_pretrained(str(MODELS / "ernie45_tiny_paddle"))
+    loaded = dict(load_model(config, mtp_weights=str(apart)).named_parameters())
+    together = dict(load_model(ModelConfig.from_pretrained(str(path)), mtp_weights=str(path)).named_parameters())
+    assert any("mtp_block" in n for n in loaded) and loaded.keys() == together.keys()
+    for name, value in together.items():
+        np.testing.assert_array_equal(loaded[name].numpy(), value.numpy(), err_msg=name)
+
+    prompts = repeating_prompts(6, seed=4)
+    params = mixed_params(len(prompts))
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "model": str(apart)}
+    expected = generate(LLM(model=str(MODELS / "ernie45_tiny_paddle"), block_size=16), prompts, params)
+    got = generate(LLM(model=str(MODELS / "ernie45_tiny_paddle"), block_size=16, speculative_config=spec), prompts, params)
+    assert [o.outputs.token_ids for o in got] == [o.outputs.token_ids for o in expected]
+    assert sum(o.metrics.num_draft_tokens for o in got) > 0
+    for where, match in ((MODELS / "ernie45_tiny_hf", "has no MTP tensors"), (apart / "model.safetensors", "directory")):
+        with pytest.raises(ValueError, match=match):
+            LLM(model=str(MODELS / "ernie45_tiny_paddle"), speculative_config={**spec, "model": str(where)})
+
+
+def test_num_model_steps_caps_the_layers_drafts_and_ngram_adds_the_rest(tmp_path, monkeypatch) -> None:
+    """num_model_steps=2 of 3: the layer never drafts more than two; with mtp_strategy "with_ngram" n-gram lookups
+    extend its drafts. The layer's drafts are replaced by the request's first tokens (an n-gram that occurred before,
+    so the lookup finds what followed it), and every request drafts all it may. Outputs unchanged either way."""
+    from fastdeploy.engine.scheduler import Scheduler
+    from tests.test_speculative import generate, mixed_params, repeating_prompts
+
+    path = with_mtp(tmp_path, "ernie45_tiny_hf", seed=2)
+    prompts = repeating_prompts(6, seed=6)
+    params = mixed_params(len(prompts))
+    expected = generate(LLM(model=str(path), block_size=16), prompts, params)
+    update, propose = Scheduler.update_from_output, MtpDrafter.propose
+    made, proposed = [], []
+
+    def steered_update(scheduler, step, output):
+        result = update(scheduler, step, output)
+        for i, drafts in zip(step.model_input.mtp.batch_index.tolist() if step.model_input.mtp else (),
+                             output.draft_token_ids):
+            request = step.requests[i]
+            if drafts and not request.is_finished:
+                made.append(len(drafts))
+                request.drafter.offer(request.token_ids[:len(drafts)], request.num_tokens, [])
+        return result
+
+    def recorded_propose(drafter, tokens, limit):
+        proposed.append((len(drafter.drafts) if len(tokens) == drafter.after else 0, propose(drafter, tokens, limit)))
+        return proposed[-1][1]
+
+    monkeypatch.setattr(Scheduler, "update_from_output", steered_update)
+    monkeypatch.setattr(MtpDrafter, "propose", recorded_propose)
+    monkeypatch.setattr(MtpDrafter, "length", lambda drafter, threshold: drafter.k)
+    for strategy in ("default", "with_ngram"):
+        made.clear(), proposed.clear()
+        spec = {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 2, "mtp_strategy": strategy}
+        got = generate(LLM(model=str(path), block_size=16, speculative_config=spec), prompts, params)
+        assert [o.outputs.token_ids for o in got] == [o.outputs.token_ids for o in expected]
+        assert max(made) == 2
+        extended = sum(len(drafts) > mtp for mtp, drafts in proposed)
+        assert (extended > 0) == (strategy == "with_ngram"), strategy
 
 
 # ---- the demo model's trained MTP head ---------------------------------------------------------------------------

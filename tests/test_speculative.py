@@ -9,20 +9,21 @@ import numpy as np
 import pytest
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.speculative import Drafter, NgramDrafter, SpeculativeConfig
+from fastdeploy.speculative import Drafter, MtpDrafter, NgramDrafter, SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "max_ngram_size": 3, "min_ngram_size": 1}
 
 
-def naive_proposal(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The rule written out: the longest suffix of max..min tokens that occurred before (ending before the
-    last token), its most recent such occurrence, and up to k tokens after it."""
-    last = len(tokens) - 1
-    for n in range(min(max_n, last), min_n - 1, -1):
-        suffix = tokens[len(tokens) - n:]
+def naive_proposal(tokens: list[int], k: int, min_n: int, max_n: int, then: list[int] = ()) -> list[int]:
+    """The rule written out: the longest suffix of max..min tokens of the context followed by `then` that occurred
+    in the context before (ending before its last token), its most recent such occurrence, and up to k tokens after
+    it."""
+    seq, last = tokens + list(then), len(tokens) - 1
+    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+        suffix = seq[len(seq) - n:]
         for end in range(last, n - 1, -1):
             if tokens[end - n:end] == suffix:
-                return tokens[end:end + k]
+                return seq[end:end + k]
     return []
 
 
@@ -42,9 +43,52 @@ def test_drafter_proposes_what_the_rule_says_as_tokens_arrive(seed: int) -> None
     assert proposed > 40
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_drafter_extends_unverified_drafts_without_indexing_them(seed: int) -> None:
+    """MTP's "with_ngram" strategy: the lookup runs over the context followed by the MTP drafts, which are never
+    indexed (they may be rejected), so the next lookups still follow the rule over the real tokens alone."""
+    rng = np.random.default_rng(seed)
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5, "max_ngram_size": 3,
+                                          "min_ngram_size": 1})
+    drafter = NgramDrafter(config)
+    tokens = rng.integers(0, 5, size=8).tolist()
+    extended = 0
+    for _ in range(60):
+        then = rng.integers(0, 5, size=int(rng.integers(0, 3))).tolist()
+        expected = naive_proposal(tokens, 4, 1, 3, then)
+        assert drafter.propose(tokens, 4, then) == expected, (tokens, then)
+        assert drafter.propose(tokens, 4) == naive_proposal(tokens, 4, 1, 3)
+        extended += bool(then and expected)
+        tokens += rng.integers(0, 5, size=int(rng.integers(1, 3))).tolist()
+    assert extended > 20
+
+
+def test_mtp_steps_follow_fastdeploys_options() -> None:
+    def steps(**given) -> int:
+        return SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 4, **given}).mtp_steps
+
+    assert steps() == 4  # the layer drafts them all, chained
+    assert steps(num_model_steps=2) == 2
+    assert steps(mtp_strategy="with_ngram") == 1  # FastDeploy's default num_model_steps; n-grams add the rest
+    assert steps(mtp_strategy="with_ngram", num_model_steps=3) == 3
+    drafter = MtpDrafter(SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 4,
+                                                      "mtp_strategy": "with_ngram"}))
+    tokens = [5, 6, 7, 8, 9, 5, 6]
+    drafter.offer([7], len(tokens), [])
+    assert drafter.propose(tokens, 4) == [7, 8, 9, 5]  # the MTP draft, then what followed 5 6 7 before
+    assert drafter.propose(tokens, 1) == [7]
+    assert drafter.propose(tokens + [3], 4) == []  # the MTP draft is stale and 6 7 3 never occurred
+    drafter.offer([1], len(tokens), [])
+    assert drafter.propose(tokens, 4) == [1]  # 6 1 never occurred: no n-gram extension
+
+
 @pytest.mark.parametrize("given, error, match", [
-    ({"method": "mtp", "num_model_steps": 2}, NotImplementedError, "num_model_steps"),
-    ({"method": "mtp", "mtp_strategy": "with_ngram"}, NotImplementedError, "mtp_strategy"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "num_model_steps": 3}, ValueError, "num_model_steps must"),
+    ({"method": "mtp", "num_model_steps": 0}, ValueError, "num_model_steps must"),
+    ({"method": "mtp", "mtp_strategy": "tree"}, ValueError, "mtp_strategy must be one of"),
+    ({"method": "ngram", "mtp_strategy": "with_ngram"}, ValueError, "method 'mtp' only"),
+    ({"method": "ngram", "num_model_steps": 2}, ValueError, "method 'mtp' only"),
+    ({"method": "mtp", "quantization": "wint4"}, NotImplementedError, "quantization"),
     ({"method": "eagle"}, ValueError, "method must be one of"),
     ({"num_speculative_tokens": 2}, ValueError, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),

@@ -182,7 +182,7 @@ class Scheduler:
         (Drafter.length; an MTP request's were limited when it drafted them) and never more than its max_tokens
         leaves after the token it samples anyway); how many."""
         drafter = request.drafter
-        worth = drafter.k if drafter.runs_in_step else drafter.length(self.draft_threshold)
+        worth = drafter.worth if drafter.runs_in_step else drafter.length(self.draft_threshold)
         # No draft after a forced token (the end of a cut thinking part), which the step emits instead of a sample.
         limit = 0 if request.forced_tokens else min(room, request.max_tokens - request.num_output_tokens - 1, worth)
         drafts = drafter.propose(request.token_ids, limit) if limit > 0 else []
@@ -203,9 +203,10 @@ class Scheduler:
             return 0
         end = request.num_computed_tokens + len(hits) * self.block_manager.block_size + num_new
         if end < request.num_tokens + len(request.draft_token_ids):
-            drafter.limit = 0  # a prompt chunk: it only fills the MTP layer's cache
+            drafter.limit = drafter.worth = 0  # a prompt chunk: it only fills the MTP layer's cache
             return 0
-        drafter.limit = max(0, min(drafter.length(self.draft_threshold),
+        drafter.worth = drafter.length(self.draft_threshold)
+        drafter.limit = max(0, min(drafter.worth, drafter.steps,
                                    request.num_prompt_tokens + request.max_tokens - end + 1))
         if drafter.limit > 1 and self.block_manager.free_after(request, num_new + drafter.limit - 1, hits) < 0:
             drafter.limit = 1  # no slots to spare: one draft needs none

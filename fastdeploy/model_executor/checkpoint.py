@@ -11,6 +11,7 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,15 @@ class Checkpoint:
                 if name in self.tensors:
                     raise ValueError(f"tensor {name!r} appears in both {self.tensors[name].file} and {file}")
                 self.tensors[name] = info
+
+    def overlay(self, model_dir: str, chosen: Callable[[str], bool]) -> None:
+        """Take the `chosen` tensors from another directory instead of this one (ERNIE-4.5's MTP weights shipped
+        apart): this checkpoint's chosen tensors are dropped, the other's are read from its files."""
+        other = Checkpoint(model_dir, self.u16_dtype)  # reads headers only; files are mapped here when read
+        taken = {name: info for name, info in other.tensors.items() if chosen(name)}
+        if not taken:
+            raise ValueError(f"{model_dir}: none of its tensors is one this model takes from it")
+        self.tensors = {name: info for name, info in self.tensors.items() if not chosen(name)} | taken
 
     def _files(self) -> dict[str, list[str] | None]:
         """File -> the tensor names the index assigns to it (None: all of the file's tensors)."""

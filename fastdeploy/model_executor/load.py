@@ -20,6 +20,7 @@ once the rest is filled.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from fastdeploy.model_executor.checkpoint import (  # noqa: F401 - re-exported
     Checkpoint, LazyArray, TensorInfo, bf16_bits_to_float32, read_safetensors_header)
 from fastdeploy.model_executor.layers.packed import Precision, WeightSlot, named_slots, packed_parameters
 from fastdeploy.model_executor.memory_plan import check_fits
-from fastdeploy.model_executor.models.ernie4_5_mtp import attach_mtp, mtp_layer_is_moe
+from fastdeploy.model_executor.models.ernie4_5_mtp import attach_mtp, is_mtp_tensor, mtp_layer_is_moe
 from fastdeploy.model_executor.models.registry import get_model_class
 from fastdeploy.model_executor.quantization import QuantConfig, parse_quantization
 
@@ -236,11 +237,11 @@ def _missing(model: nn.Layer, params: dict[str, Any], filled: dict[str, dict[str
 
 def load_model(config: ModelConfig, tp: TPGroup = SINGLE, quantization: QuantConfig | str | None = None,
                available_bytes: int | None = None, dtype: str = "auto", lm_head_fp32: bool = False,
-               mtp: bool = False) -> nn.Layer:
+               mtp_weights: str | None = None) -> nn.Layer:
     """Build the model for `config.architectures` (this rank's shard of it when `tp` has several
     ranks) with its weights packed as `quantization` (None, "wint8", "wint4" or a QuantConfig's weight
     formats), `dtype` and `lm_head_fp32` say (layers/packed.py's Precision; validated by EngineConfig), with
-    ERNIE-4.5's MTP layer when `mtp` (models/ernie4_5_mtp.py),
+    ERNIE-4.5's MTP layer, from the MTP tensors of directory `mtp_weights`, when given (models/ernie4_5_mtp.py),
     fill it from the checkpoint, and put it in eval mode. Raises ValueError before anything large is
     allocated when the weights would not fit in `available_bytes` (default: the host's available memory)."""
     model_class = get_model_class(config.architectures)
@@ -250,7 +251,9 @@ def load_model(config: ModelConfig, tp: TPGroup = SINGLE, quantization: QuantCon
     # U16 holds raw 16-bit floats: which kind is only written in the config.
     u16 = "float16" if config.dtype == "float16" else "bfloat16"
     with Checkpoint(config.model_path, u16_dtype=u16) as checkpoint:
-        if mtp:
+        if mtp_weights is not None:
+            if os.path.realpath(mtp_weights) != os.path.realpath(config.model_path):
+                checkpoint.overlay(mtp_weights, is_mtp_tensor)
             with building_for(tp):
                 attach_mtp(model, mtp_layer_is_moe(list(checkpoint.tensors)))
         quant = quantization if isinstance(quantization, QuantConfig) else parse_quantization(quantization)

@@ -122,7 +122,7 @@ class ModelRunner:
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
             self.model = load_model(mc, self.tp, config.quant, dtype=config.dtype,
-                                    lm_head_fp32=config.lm_head_fp32, mtp=config.drafts_with_mtp)
+                                    lm_head_fp32=config.lm_head_fp32, mtp_weights=config.mtp_weights)
             ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
             self._ask_workers()  # loaded
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)

@@ -69,7 +69,7 @@ class Worker:
         ops.share_cores(self.world_size)
         self.model = load_model(config.model_config, tp, config.quant, dtype=config.dtype,
                                 lm_head_fp32=config.lm_head_fp32,
-                                mtp=config.drafts_with_mtp)
+                                mtp_weights=config.mtp_weights)
         ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
         self.block_size = config.block_size
         self.config = config

@@ -13,9 +13,12 @@ attention has its own KV cache, the layer after the main model's (index num_hidd
 Checkpoint tensors (Paddle layout under `ernie.`, HF layout under `model.`): mtp_emb_norm.0.weight,
 mtp_hidden_norm.0.weight, mtp_linear_proj.0.weight ([2H, H] Paddle, [H, 2H] HF) and mtp_block.0.* named as a
 decoder layer's. The block's MLP is routed experts when the checkpoint stores them there (ERNIE-4.5 MoE
-checkpoints), else dense.
+checkpoints), else dense. FastDeploy's `speculative_config["model"]` may name another directory holding these
+tensors (ERNIE-4.5's `mtp/` folders); they are then taken from there.
 """
 from __future__ import annotations
+
+import re
 
 import paddle
 from paddle import nn
@@ -25,6 +28,10 @@ from fastdeploy.model_executor.layers.norm import RMSNorm
 from fastdeploy.model_executor.models.decoder import CausalLM, DecoderLayer, dense_mlp
 
 MTP_PATTERN = r"(^|\.)mtp_"  # the checkpoint tensors of the MTP layer (the models skip them otherwise)
+
+
+def is_mtp_tensor(name: str) -> bool:
+    return re.search(MTP_PATTERN, name) is not None
 
 
 def mtp_layer_is_moe(names: list[str]) -> bool:
