@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/large_models.py --model ernie-4.5-21b-a3b --layers 4
     .venv/bin/python benchmarks/large_models.py --model qwen2-7b --formats bf16,wint8,wint4
+    .venv/bin/python benchmarks/large_models.py --model qwen3-30b-a3b --formats wint4
     .venv/bin/python benchmarks/large_models.py --model ernie-4.5-21b-a3b --formats wint4 --workloads decode
     .venv/bin/python benchmarks/large_models.py --model ernie-4.5-21b-a3b --layers 4 --isa avx2   # AVX2 kernels
     ... --json results.json
@@ -132,11 +133,13 @@ def run_child(ckpt: str, fmt: str, workloads: list[str], kernels: str) -> dict:
     load_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     runner = llm.engine.runner
     hf = llm.config.model_config.hf_config
-    experts = hf.get("moe_num_experts", 1)
+    # ERNIE-4.5's and Qwen3-MoE's names for the expert count and the experts per token
+    experts = hf.get("moe_num_experts", hf.get("num_experts", 1))
+    top_k = hf.get("moe_k", hf.get("num_experts_per_tok", 1))
     result = {"load_s": load_s, "load_peak_rss_gib": load_rss,
               "weights_gib": weight_bytes(runner.model) / 2**30,
               "kv_pool_gib": runner.num_blocks * runner.kv_block_bytes / 2**30,
-              "decode_bytes_per_token": decode_bytes_per_token(runner.model, hf.get("moe_k", 1), experts),
+              "decode_bytes_per_token": decode_bytes_per_token(runner.model, top_k, experts),
               "runtime": ops.runtime_info()}
     rng = np.random.default_rng(0)
     vocab = llm.config.model_config.vocab_size

@@ -219,7 +219,7 @@ def bench_elementwise(rng: np.random.Generator) -> None:
         g = paddle.to_tensor(rng.standard_normal((t_rows, 6144), dtype=np.float32))
         q = paddle.to_tensor(rng.standard_normal((t_rows, 16, 128), dtype=np.float32))
         kk = paddle.to_tensor(rng.standard_normal((t_rows, 2, 128), dtype=np.float32))
-        cos, sin = ops.rotary_cos_sin(paddle.arange(t_rows), 128, 500000.0)
+        cos, sin = ops.rotary_cos_sin(paddle.arange(t_rows), ops.default_inv_freq(128, 500000.0))
         calls = 200 if t_rows < 100 else 20
         rows = [
             ("add_rms_norm", lambda i: ops.rms_norm(x, w, 1e-5, r), lambda i: ops.rms_norm_reference(x, w, 1e-5, r)),
@@ -256,7 +256,8 @@ def bench_model_step(rng: np.random.Generator) -> None:
             tables = np.arange(batch * blocks, dtype=np.int64).reshape(batch, blocks)
             meta = [paddle.to_tensor(tables[:, ctx // bs] * bs + ctx % bs), paddle.arange(batch + 1, dtype="int64"),
                     paddle.full([batch], ctx + 1, dtype="int64"), paddle.to_tensor(tables)]
-            cos, sin = ops.rotary_cos_sin(paddle.full([batch], ctx, dtype="int64"), head_dim, 500000.0)
+            cos, sin = ops.rotary_cos_sin(paddle.full([batch], ctx, dtype="int64"),
+                                          ops.default_inv_freq(head_dim, 500000.0))
             x0 = paddle.to_tensor(rng.standard_normal((batch, hidden), dtype=np.float32))
 
             def step(_: int) -> None:

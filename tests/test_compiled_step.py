@@ -92,7 +92,8 @@ def assert_same_bits(model, batches: list[ForwardBatch], kv_dtype: str) -> int:
 
 @pytest.mark.parametrize("quantization", [None, "wint8", "wint4"])
 @pytest.mark.parametrize("name", ["ernie45_tiny_hf", "ernie45_tiny_paddle", "ernie45_moe_tiny_hf",
-                                  "ernie45_moe_tiny_paddle", "qwen2_tiny", "qwen3_tiny", "ernie45_vl_tiny_hf"])
+                                  "ernie45_moe_tiny_paddle", "qwen2_tiny", "qwen3_tiny", "qwen3_moe_tiny",
+                                  "ernie45_vl_tiny_hf", "llama3_tiny", "mistral_tiny"])
 def test_same_bits_as_the_layer_path(name: str, quantization: str | None) -> None:
     model = load_model(ModelConfig.from_pretrained(MODELS / name), quantization=quantization)
     assert unsupported_reason(model) is None

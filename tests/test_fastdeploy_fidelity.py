@@ -32,13 +32,13 @@ def test_model_registry_lists_and_resolves_architectures():
     registry = fastdeploy.ModelRegistry
     archs = registry.get_supported_archs()
     assert {"Ernie4_5_ForCausalLM", "Ernie4_5_MoeForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= set(archs)
-    assert registry.resolve_model_cls(["LlamaForCausalLM", "Qwen3ForCausalLM"]) == (Qwen3ForCausalLM,
-                                                                                      "Qwen3ForCausalLM")
+    assert registry.resolve_model_cls(["GPTNeoXForCausalLM", "Qwen3ForCausalLM"]) == (Qwen3ForCausalLM,
+                                                                                        "Qwen3ForCausalLM")
     assert registry.get_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
     assert registry.is_multimodal_model("Ernie4_5_VLMoeForConditionalGeneration")
     assert not registry.is_multimodal_model(["Qwen3ForCausalLM"])
     with pytest.raises(ValueError, match="unsupported architecture"):
-        registry.get_class("LlamaForCausalLM")
+        registry.get_class("GPTNeoXForCausalLM")
 
 
 def test_version_reports_the_installed_package_and_paddle():

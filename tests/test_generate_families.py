@@ -1,6 +1,7 @@
 """LLM.generate reproduces transformers' greedy continuations and logprobs (committed JSON made by
-tools/make_model_reference.py) for ERNIE-4.5 MoE in both checkpoint layouts, Qwen2 and Qwen3, all
-prompts of a model batched together; MoE and Qwen3 also with the ops' pure-Paddle references."""
+tools/make_model_reference.py) for ERNIE-4.5 MoE in both checkpoint layouts, Qwen2, Qwen3, Qwen3-MoE, Llama 3
+and Mistral, all prompts of a model batched together; the MoE models, Qwen3 and Llama 3 also with the ops'
+pure-Paddle references."""
 import json
 
 import pytest
@@ -14,13 +15,19 @@ FAMILIES = {
     "ernie45_moe_tiny_paddle": "ernie45_moe_tiny_greedy.json",
     "qwen2_tiny": "qwen2_tiny_greedy.json",
     "qwen3_tiny": "qwen3_tiny_greedy.json",
+    "qwen3_moe_tiny": "qwen3_moe_tiny_greedy.json",
+    "llama3_tiny": "llama3_tiny_greedy.json",
+    "mistral_tiny": "mistral_tiny_greedy.json",
 }
 TOL = 1e-3
 
 
 @pytest.fixture(scope="module", params=[(f, True) for f in FAMILIES] + [("ernie45_moe_tiny_hf", False),
-                                                                          ("qwen3_tiny", False)],
-                ids=list(FAMILIES) + ["ernie45_moe_tiny_hf-reference-ops", "qwen3_tiny-reference-ops"])
+                                                                          ("qwen3_tiny", False),
+                                                                          ("qwen3_moe_tiny", False),
+                                                                          ("llama3_tiny", False)],
+                ids=list(FAMILIES) + ["ernie45_moe_tiny_hf-reference-ops", "qwen3_tiny-reference-ops",
+                                      "qwen3_moe_tiny-reference-ops", "llama3_tiny-reference-ops"])
 def run(request):
     fixture, compiled = request.param
     ref = json.loads((REFERENCE / FAMILIES[fixture]).read_text())

@@ -1,6 +1,6 @@
-"""ERNIE-4.5 MoE (HF and Paddle layouts), Qwen2 and Qwen3 forwards vs transformers' greedy outputs
-(tests/fixtures/reference/<fixture>_greedy.json, written by tools/make_model_reference.py from the
-HF-layout fixtures). Greedy tokens must match exactly and logprobs within 1e-3, whether a sequence
+"""ERNIE-4.5 MoE (HF and Paddle layouts), Qwen2, Qwen3, Qwen3-MoE, Llama 3 and Mistral forwards vs
+transformers' greedy outputs (tests/fixtures/reference/<fixture>_greedy.json, written by
+tools/make_model_reference.py from the HF-layout fixtures). Greedy tokens must match exactly and logprobs within 1e-3, whether a sequence
 runs in one forward, is prefilled then decoded through the paged KV cache, or is batched with the
 others in chunks; config variants (MoE weight-sum floor, Qwen3 attention biases) and the MoE layer
 placement rule are checked against transformers as well."""
@@ -32,6 +32,9 @@ FAMILIES = {
     "ernie45_moe_tiny_paddle": "ernie45_moe_tiny_greedy.json",
     "qwen2_tiny": "qwen2_tiny_greedy.json",
     "qwen3_tiny": "qwen3_tiny_greedy.json",
+    "qwen3_moe_tiny": "qwen3_moe_tiny_greedy.json",  # its specifics: test_qwen3_moe.py
+    "llama3_tiny": "llama3_tiny_greedy.json",  # Llama / Mistral specifics: test_llama.py
+    "mistral_tiny": "mistral_tiny_greedy.json",
 }
 REFS = {name: json.loads((FIXTURES / "reference" / name).read_text()) for name in set(FAMILIES.values())}
 MOE_REF = REFS["ernie45_moe_tiny_greedy.json"]
@@ -255,10 +258,11 @@ def test_moe_config_rejections(tmp_path: Path) -> None:
 
 
 def test_registry_lists_every_family_for_unknown_architectures() -> None:
-    for arch in ("Ernie4_5_MoeForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for arch in ("Ernie4_5_MoeForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM",
+                 "MistralForCausalLM"):
         assert get_model_class([arch]).__name__ == arch
-    with pytest.raises(ValueError, match=r"unsupported architecture.*LlamaForCausalLM.*supported: ") as error:
-        get_model_class(["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match=r"unsupported architecture.*GPTNeoXForCausalLM.*supported: ") as error:
+        get_model_class(["GPTNeoXForCausalLM"])
     listed = str(error.value).split("supported: ")[1].split(", ")
     assert {"Ernie4_5ForCausalLM", "Ernie4_5_ForCausalLM", "Ernie4_5_MoeForCausalLM", "Qwen2ForCausalLM",
-            "Qwen3ForCausalLM"} <= set(listed)
+            "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"} <= set(listed)

@@ -105,7 +105,7 @@ def test_config_defaults_for_optional_fields(tmp_path: Path) -> None:
     ({"head_dim": 15}, "'head_dim' must be even and at least 2, got 15"),
     ({"architectures": []}, "'architectures'"),
     ({"torch_dtype": "int3"}, "'torch_dtype' must be one of"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "rope type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "'rope_parameters.rope_type' is 'yarn'"),
     ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
 ])
 def test_bad_config_names_the_field(tmp_path: Path, changes: dict, message: str) -> None:

@@ -262,9 +262,10 @@ def test_rotary_in_place_matches_reference(isa, interleaved, heads, kv_heads, he
     positions = tensor(np.array([0, 1, 17, 4095, 131071, 5], dtype=np.int64))
     q = tensor(rng.standard_normal((6, heads, head_dim), dtype=np.float32))
     k = tensor(rng.standard_normal((6, kv_heads, head_dim), dtype=np.float32))
-    cos, sin = ops.rotary_cos_sin(positions, head_dim, 500000.0)
+    inv_freq = ops.default_inv_freq(head_dim, 500000.0)
+    cos, sin = ops.rotary_cos_sin(positions, inv_freq)
     ref_q, ref_k = ops.apply_rotary_reference(q, k, cos, sin, interleaved)
-    out_q, out_k = ops.rotary_embedding_(positions, q, k, 500000.0, interleaved)
+    out_q, out_k = ops.rotary_embedding_(positions, q, k, inv_freq, interleaved)
     assert out_q is q and out_k is k  # in place
     assert_close(q, ref_q, 1e-6)
     assert_close(k, ref_k, 1e-6)
@@ -416,8 +417,9 @@ def test_wrappers_fall_back_to_references_when_the_library_is_unavailable(monkey
     assert_close(ops.silu_and_mul(gate_up), ops.silu_and_mul_reference(gate_up), 0)
     q, k = tensor(rng.standard_normal((4, 2, 64), dtype=np.float32)), tensor(rng.standard_normal((4, 1, 64),
                                                                                                 dtype=np.float32))
-    expected = ops.apply_rotary_reference(q, k, *ops.rotary_cos_sin(paddle.arange(4), 64, 1e4), True)
-    ops.rotary_embedding_(paddle.arange(4), q, k, 1e4, True)
+    inv_freq = ops.default_inv_freq(64, 1e4)
+    expected = ops.apply_rotary_reference(q, k, *ops.rotary_cos_sin(paddle.arange(4), inv_freq), True)
+    ops.rotary_embedding_(paddle.arange(4), q, k, inv_freq, True)
     assert_close(q, expected[0], 0)
     for fmt in ("fp32", "int4"):
         packed = ops.pack_weight(rng.standard_normal((96, 40), dtype=np.float32), fmt)

@@ -12,7 +12,7 @@ from conftest import FIXTURES, TINY_HF
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.entrypoints.openai.cli_args import engine_config, make_parser
 from fastdeploy.model_executor.quantization import QuantConfig, parse_quantization
-from test_weight_formats import packed_formats
+from test_weight_formats import QWEN3_MOE, packed_formats
 
 MOE = FIXTURES / "models" / "ernie45_moe_tiny_hf"
 MIX = {"quantization": "mix_quant", "dense_quant_type": "wint8", "moe_quant_type": "wint4",
@@ -56,10 +56,12 @@ def test_bad_quantization_is_refused_by_name(given, error, match):
         LLM(model=str(TINY_HF), quantization=given)
 
 
-def test_mix_quant_packs_experts_and_dense_layers_apart():
-    formats = packed_formats(LLM(model=str(MOE), max_model_len=256, quantization=MIX))
+@pytest.mark.parametrize("model", [MOE, QWEN3_MOE], ids=lambda p: p.name)
+def test_mix_quant_packs_experts_and_dense_layers_apart(model):
+    formats = packed_formats(LLM(model=str(model), max_model_len=256, quantization=MIX))
     experts = {fmt for name, fmt in formats.items() if ".experts." in name and "shared" not in name}
-    dense = {fmt for name, fmt in formats.items() if "self_attn" in name or "shared_experts" in name}
+    dense = {fmt for name, fmt in formats.items() if "self_attn" in name or "shared_experts" in name
+             or name.endswith("mlp.up_gate_proj.weight") or name.endswith("mlp.down_proj.weight")}
     assert experts == {"int4"} and dense == {"int8"}
     assert formats["lm_head"] == "int8"
 

@@ -62,6 +62,11 @@ def sample_shape(pick: Callable[[Sequence[Any]], Any], head_dim: int | None = No
         moe = dict(experts=experts, top_k=pick(range(1, min(experts, 3) + 1)),
                    expert_ffn=pick([f for f in range(8, 161) if f % 16]), shared=pick(range(3)),
                    moe_start=pick(range(layers)))
+    elif family == "qwen3_moe":
+        experts = pick(range(2, 9))
+        moe = dict(experts=experts, top_k=pick(range(1, min(experts, 4) + 1)),
+                   expert_ffn=pick([f for f in range(8, 161) if f % 16]), sparse_step=pick((1, 2)),
+                   mlp_only=pick(((), (0,))), norm_topk=pick((True, False)))
     return SweepShape(
         family, vocab=pick([v for v in range(1025, 1301) if v % 16]),  # >= 1024: the fixture tokenizers' ids fit
         hidden=pick([h for h in range(24, 201) if h % 16]), layers=layers, heads=kv_heads * group, kv_heads=kv_heads,
@@ -172,6 +177,12 @@ ISSUE_EXAMPLES = [
      Format(None, "block_wise_fp8", ISAS[len(ISAS) // 2])),
     (SweepShape("ernie45", vocab=1297, hidden=120, layers=2, heads=12, kv_heads=2, head_dim=40, ffn=270, dtype="BF16"),
      Format("wint8", "bfloat16", ISAS[-1])),
+    # Qwen3-MoE (issue 46): GQA groups of 3, head_dim 36, layer 0 dense by mlp_only_layers, layer 1 MoE, top-3 of 7
+    (SweepShape("qwen3_moe", vocab=1117, hidden=56, layers=2, heads=6, kv_heads=2, head_dim=36, ffn=70, experts=7,
+                top_k=3, expert_ffn=24, mlp_only=(0,), dtype="BF16"), Format("wint4", "block_wise_fp8", ISAS[0])),
+    # Llama 3 (issue 46): llama3-scaled rotary in all three bands, every bias, untied head; odd sizes, head_dim 28
+    (SweepShape("llama", vocab=1109, hidden=90, layers=2, heads=6, kv_heads=2, head_dim=28, ffn=131, dtype="F32"),
+     Format(None, "float32", ISAS[-1])),
 ]
 
 

@@ -24,7 +24,7 @@ from fastdeploy.ops.pack import pack_weight
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "tests" / "fixtures" / "models"
 FIXTURES = ["ernie45_tiny_hf", "ernie45_tiny_paddle", "ernie45_moe_tiny_hf", "ernie45_moe_tiny_paddle", "qwen2_tiny",
-            "qwen3_tiny"]
+            "qwen3_tiny", "llama3_tiny", "mistral_tiny"]
 GIB = 1 << 30
 
 

@@ -4,7 +4,9 @@ collectives.
 - tensor_parallel_size=2 reproduces transformers' greedy tokens (committed references) and gives the
   same tokens as tensor_parallel_size=1, with logprobs within 1e-4, in a batch that is prefilled in
   chunks and preempted for lack of KV blocks; for ERNIE-4.5 dense (both layouts, and with biases),
-  ERNIE-4.5 MoE (experts split over the ranks), Qwen2 (untied LM head) and Qwen3 (per-head norms);
+  ERNIE-4.5 MoE (experts split over the ranks), Qwen2 (untied LM head), Qwen3 (per-head norms) and
+  Qwen3-MoE (experts split, GQA groups of 3), Llama 3 (scaled rope, GQA groups of 3) and Mistral (one KV
+  head, replicated);
   4 ranks (KV heads replicated) as well.
 - Each rank's parameters are its slices of the full model, and loading converts only those slices.
 - Workers go away with the LLM object, with their parent process, and survive nothing; Ctrl-C on
@@ -38,7 +40,8 @@ from fastdeploy.model_executor.weight_format import named_weights
 MODELS = FIXTURES / "models"
 REFS = {name: json.loads((REFERENCE / name).read_text())
         for name in ("ernie45_tiny_greedy.json", "ernie45_moe_tiny_greedy.json", "qwen2_tiny_greedy.json",
-                     "qwen3_tiny_greedy.json")}
+                     "qwen3_tiny_greedy.json", "qwen3_moe_tiny_greedy.json", "llama3_tiny_greedy.json",
+                     "mistral_tiny_greedy.json")}
 FAMILIES = {  # fixture -> reference
     "ernie45_tiny_hf": "ernie45_tiny_greedy.json",
     "ernie45_tiny_paddle": "ernie45_tiny_greedy.json",
@@ -46,6 +49,9 @@ FAMILIES = {  # fixture -> reference
     "ernie45_moe_tiny_paddle": "ernie45_moe_tiny_greedy.json",
     "qwen2_tiny": "qwen2_tiny_greedy.json",
     "qwen3_tiny": "qwen3_tiny_greedy.json",
+    "qwen3_moe_tiny": "qwen3_moe_tiny_greedy.json",
+    "llama3_tiny": "llama3_tiny_greedy.json",  # KV heads split, llama3 rope scaling
+    "mistral_tiny": "mistral_tiny_greedy.json",  # one KV head, replicated
 }
 # Small budget and pool: long prompts are prefilled in chunks and requests get preempted.
 ENGINE = dict(block_size=16, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=32,
@@ -149,7 +155,7 @@ def test_biases_and_four_ranks_with_replicated_kv_heads(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("fixture, size", [("ernie45_tiny_hf", 2), ("ernie45_tiny_paddle", 4),
-                                           ("ernie45_moe_tiny_hf", 2), ("qwen2_tiny", 2)])
+                                           ("ernie45_moe_tiny_hf", 2), ("qwen2_tiny", 2), ("qwen3_moe_tiny", 2)])
 def test_each_rank_loads_only_its_slices(monkeypatch: pytest.MonkeyPatch, fixture: str, size: int) -> None:
     """Shards have the expected shapes, together make up the full parameters, and loading one
     converts exactly that rank's elements from the file (never a whole sharded tensor)."""

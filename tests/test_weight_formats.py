@@ -16,6 +16,7 @@ from fastdeploy.model_executor.weight_format import named_weights, weight_bytes
 
 DEMO = Path(__file__).parents[1] / "models" / "ernie-4.5-demo"
 MOE = FIXTURES / "models" / "ernie45_moe_tiny_hf"
+QWEN3_MOE = FIXTURES / "models" / "qwen3_moe_tiny"  # no shared experts or correction bias, untied head
 
 
 def packed_formats(llm: LLM) -> dict[str, str]:
@@ -42,15 +43,16 @@ def test_unquantized_bf16_checkpoint_packs_exactly():
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("model", [MOE, QWEN3_MOE], ids=lambda p: p.name)
 @pytest.mark.parametrize("quantization, body", [("wint8", "int8"), ("wint4", "int4")])
-def test_quantization_formats_per_layer(quantization, body):
-    llm = LLM(model=str(MOE), max_model_len=256, quantization=quantization)
+def test_quantization_formats_per_layer(quantization, body, model):
+    llm = LLM(model=str(model), max_model_len=256, quantization=quantization)
     formats = packed_formats(llm)
     for name, fmt in formats.items():
         if name.endswith("mlp.gate.weight"):
             assert fmt == "fp32", name  # the router is never quantized: routing is computed in float32
-        elif name in ("lm_head", "model.embed_tokens.weight"):
-            assert fmt == "int8"  # the vocabulary table
+        elif name in ("lm_head", "lm_head.weight", "model.embed_tokens.weight"):
+            assert fmt == "int8"  # the vocabulary tables
         else:
             assert fmt == body, name
     assert any(".experts." in n for n in formats) and any(n.endswith("mlp.gate.weight") for n in formats)

@@ -1,6 +1,6 @@
 """Record transformers' greedy outputs for the tiny checkpoints (the parity tests' references).
 
-    /work/refvenv/bin/python tools/make_model_reference.py [family ...]   # ernie45 ernie45_moe qwen2 qwen3
+    /work/llama/venv/bin/python tools/make_model_reference.py [family ...]   # ernie45 ernie45_moe qwen2 qwen3 qwen3_moe
 
 Needs torch + transformers (the reference venv), never the project's test suite. Loads each family's
 HF-layout fixture (tests/fixtures/models/, written by tools/make_tiny_models.py) with transformers'
@@ -17,12 +17,21 @@ p - 1 (token, logprob, top-5); entry 0 is null. Variants (same weights, config c
                variant clamped; `placement`: which layers transformers makes MoE for several
                moe_layer_start_index / end_index / interval settings.
   qwen3        `bias_variant`: attention_bias with random q/k/v/o biases.
+  llama3       `bias_variant`: attention_bias and mlp_bias with random q/k/v/o and gate/up/down biases, tied
+               head, plain rope; `rope`: transformers' inverse frequencies (plain and llama3-scaled) of the
+               fixture and of Llama-3.1-8B / Llama-3.2-1B.
+  qwen3_moe    `routing` as ERNIE MoE's (no correction bias: plain top-k of the probabilities);
+               `norm_topk_prob_variant`: norm_topk_prob false, the chosen weights left unnormalised;
+               `placement`: which layers transformers makes MoE for several decoder_sparse_step /
+               mlp_only_layers / num_experts settings.
 Writes tests/fixtures/reference/<fixture>_greedy.json. Rerun after tools/make_tiny_models.py.
 """
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +66,12 @@ FAMILIES = {
                           [17, 33]),
     "qwen2": Family("qwen2_tiny", "Qwen2ForCausalLM", [1, 4, 17, 33, 64, 100], {17, 64}, (0, 1019)),
     "qwen3": Family("qwen3_tiny", "Qwen3ForCausalLM", [1, 4, 17, 33, 64, 100], {17, 64}, (0, 1019), [17, 33]),
+    "llama3": Family("llama3_tiny", "LlamaForCausalLM", [1, 4, 17, 33, 64, 100], {17, 64}, (0, 1019), [17, 33]),
+    "mistral": Family("mistral_tiny", "MistralForCausalLM", [1, 4, 17, 33, 64, 100], {17, 64}, (0, 1019)),
+    "qwen3_moe": Family("qwen3_moe_tiny", "Qwen3MoeForCausalLM", [1, 4, 17, 33, 64, 100], {17, 64}, (0, 1019),
+                        [17, 33]),
 }
+MOE_CLASSES = ("Ernie4_5_MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def model_dir(family: Family) -> Path:
@@ -90,8 +104,8 @@ def greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> tu
     return tokens, steps, min_gap
 
 
-def load(family: Family, **config_changes: object) -> torch.nn.Module:
-    path = model_dir(family)
+def load(family: Family, path: Path | None = None, **config_changes: object) -> torch.nn.Module:
+    path = path or model_dir(family)
     config = AutoConfig.from_pretrained(path)
     for key, value in config_changes.items():
         setattr(config, key, value)
@@ -102,15 +116,17 @@ def load(family: Family, **config_changes: object) -> torch.nn.Module:
     if missing or info["unexpected_keys"] or info.get("mismatched_keys"):
         raise SystemExit(f"{path}: transformers did not load the checkpoint cleanly: {info}")
     assert type(model).__name__ == family.model_class, type(model)
+    if config.tie_word_embeddings:  # a stored lm_head.weight must not replace the tied embedding
+        assert torch.equal(model.lm_head.weight, model.get_input_embeddings().weight), "tied head differs"
     return model.eval()
 
 
 @torch.no_grad()
-def variant(family: Family, prompts: list[list[int]], set_biases: bool, **config_changes: object
-            ) -> tuple[dict[str, object], float]:
+def variant(family: Family, prompts: list[list[int]], set_biases: bool, path: Path | None = None,
+            **config_changes: object) -> tuple[dict[str, object], float]:
     """Greedy cases with `config_changes` applied: {"config"?, "biases"?, "cases", "routing"?}."""
-    model = load(family, **config_changes)
-    probe = RoutingProbe(model) if family.model_class == "Ernie4_5_MoeForCausalLM" else None
+    model = load(family, path, **config_changes)
+    probe = RoutingProbe(model) if family.model_class in MOE_CLASSES else None
     rng = np.random.default_rng(SEED + 1)
     out: dict[str, object] = {"config": config_changes} if family.fixture != "ernie45_tiny" else {}
     if set_biases:
@@ -133,24 +149,29 @@ def variant(family: Family, prompts: list[list[int]], set_biases: bool, **config
 
 
 class RoutingProbe:
-    """Forward hooks on transformers' MoE routers, recomputing their float32 choice scores."""
+    """Forward hooks on transformers' MoE routers (ERNIE-4.5's, Qwen3-MoE's), recomputing their float32
+    choice scores."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.margin, self.bias_changed, self.clamped, self.choices = float("inf"), 0, 0, 0
-        routers = [m for m in model.modules() if type(m).__name__ == "Ernie4_5_MoeTopKRouter"]
+        routers = [m for m in model.modules()
+                   if type(m).__name__ in ("Ernie4_5_MoeTopKRouter", "Qwen3MoeTopKRouter")]
         assert routers, "no MoE router found"
         self.handles = [r.register_forward_hook(self.hook) for r in routers]
 
     def hook(self, router: torch.nn.Module, args: tuple[torch.Tensor, ...], output: object) -> None:
-        probs = torch.softmax(torch.nn.functional.linear(args[0].float(), router.weight.float()), dim=-1)
-        choice = probs + router.moe_statics.e_score_correction_bias.squeeze()
+        x = args[0].reshape(-1, router.weight.shape[1]).float()
+        probs = torch.softmax(torch.nn.functional.linear(x, router.weight.float()), dim=-1)
+        statics = getattr(router, "moe_statics", None)  # Qwen3-MoE has no correction bias
+        choice = probs if statics is None else probs + statics.e_score_correction_bias.squeeze()
         k = router.top_k
         ordered = torch.sort(choice, dim=-1, descending=True).values
         self.margin = min(self.margin, float((ordered[:, k - 1] - ordered[:, k]).min()))
         with_bias = torch.topk(choice, k).indices.sort(-1).values
         without = torch.topk(probs, k).indices.sort(-1).values
         self.bias_changed += int((with_bias != without).any(-1).sum())
-        self.clamped += int((torch.gather(probs, -1, with_bias).sum(-1) < router.norm_min).sum())
+        if statics is not None:
+            self.clamped += int((torch.gather(probs, -1, with_bias).sum(-1) < router.norm_min).sum())
         self.choices += probs.shape[0]
 
     def stats(self) -> dict[str, object]:
@@ -180,11 +201,73 @@ def moe_placement() -> list[dict[str, object]]:
     return cases
 
 
+def qwen3_moe_placement() -> list[dict[str, object]]:
+    """Which layers transformers' Qwen3MoeDecoderLayer makes sparse, for several settings."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+    settings = [(4, 1, [], 4), (4, 2, [], 4), (6, 2, [3], 4), (5, 1, [0, 4], 4), (7, 3, [2, 5], 4), (3, 1, [], 0)]
+    cases = []
+    for layers, step, only, experts in settings:
+        fields = {"num_hidden_layers": layers, "decoder_sparse_step": step, "mlp_only_layers": only,
+                  "num_experts": experts}
+        config = m.Qwen3MoeConfig(hidden_size=8, intermediate_size=8, moe_intermediate_size=4, num_attention_heads=2,
+                                  num_key_value_heads=1, head_dim=4, num_experts_per_tok=1, vocab_size=16, **fields)
+        sparse = [i for i in range(layers)
+                  if isinstance(m.Qwen3MoeDecoderLayer(config, i).mlp, m.Qwen3MoeSparseMoeBlock)]
+        cases.append({"config": fields, "moe_layers": sparse})
+    return cases
+
+
+def llama3_rope(model: torch.nn.Module) -> list[dict[str, object]]:
+    """transformers' inverse frequencies (plain and llama3-scaled) for the fixture, as its model holds them,
+    and for the real Llama-3.1-8B / 3.2-1B settings."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    def record(name: str, config: LlamaConfig, inv_freq: torch.Tensor) -> dict[str, object]:
+        params = dict(config.rope_parameters)
+        plain = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                            head_dim=config.head_dim, rope_parameters={"rope_type": "default",
+                                                                      "rope_theta": params["rope_theta"]})
+        default, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(plain)
+        return {"name": name, "head_dim": config.head_dim, "rope_parameters": params,
+                "default_inv_freq": [float(v) for v in default], "inv_freq": [float(v) for v in inv_freq]}
+
+    cases = [record("llama3_tiny", model.config, model.model.rotary_emb.inv_freq)]
+    for name, head_dim, factor in (("Llama-3.1-8B", 128, 8.0), ("Llama-3.2-1B", 64, 32.0)):
+        config = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, head_dim=head_dim,
+                             max_position_embeddings=131072,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 8192})
+        cases.append(record(name, config, ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")[0]))
+    return cases
+
+
+def llama_bias_variant(family: Family, prompts: list[list[int]]) -> tuple[dict[str, object], float]:
+    """attention_bias + mlp_bias with random biases, a tied head and plain rope (`rope_scaling` null). A tied
+    checkpoint has no lm_head.weight (transformers 5 would keep a stored one untied), so it is dropped."""
+    from safetensors.torch import load_file, save_file
+
+    plain = {"rope_type": "default", "rope_theta": 500000.0}
+    with tempfile.TemporaryDirectory() as tmp:
+        source = model_dir(family)
+        shutil.copy(source / "config.json", tmp)
+        tensors = load_file(source / "model.safetensors")
+        del tensors["lm_head.weight"]
+        save_file(tensors, Path(tmp) / "model.safetensors", metadata={"format": "pt"})
+        out, gap = variant(family, prompts, set_biases=True, path=Path(tmp), attention_bias=True, mlp_bias=True,
+                           tie_word_embeddings=True, rope_parameters=plain)
+    out["config"] = {**out["config"], "rope_scaling": None}
+    out["dropped"] = ["lm_head.weight"]
+    return out, gap
+
+
 def run(name: str) -> None:
     family = FAMILIES[name]
     torch.manual_seed(SEED)
     model = load(family)
-    probe = RoutingProbe(model) if name == "ernie45_moe" else None
+    probe = RoutingProbe(model) if family.model_class in MOE_CLASSES else None
 
     rng = np.random.default_rng(SEED)
     cases, min_gap = [], float("inf")
@@ -217,11 +300,19 @@ def run(name: str) -> None:
         result["bias_variant"], gap = variant(family, prompts, set_biases=True, use_bias=True)
     elif name == "qwen3":
         result["bias_variant"], gap = variant(family, prompts, set_biases=True, attention_bias=True)
+    elif name == "llama3":
+        result["rope"] = llama3_rope(model)
+        result["bias_variant"], gap = llama_bias_variant(family, prompts)
     elif name == "ernie45_moe":
         result["routing"] = probe.stats()
         result["norm_min_variant"], gap = variant(family, prompts, set_biases=False, moe_norm_min=0.5)
         result["placement"] = moe_placement()
         print(f"routing: {result['routing']}, variant: {result['norm_min_variant']['routing']}")
+    elif name == "qwen3_moe":
+        result["routing"] = probe.stats()
+        result["norm_topk_prob_variant"], gap = variant(family, prompts, set_biases=False, norm_topk_prob=False)
+        result["placement"] = qwen3_moe_placement()
+        print(f"routing: {result['routing']}, variant: {result['norm_topk_prob_variant']['routing']}")
     else:
         gap = float("inf")
     result["min_top2_gap"] = min_gap = min(min_gap, gap)

@@ -1,6 +1,6 @@
 """Write the tiny random test checkpoints (numpy only) into tests/fixtures/models/.
 
-    .venv/bin/python tools/make_tiny_models.py [family ...]   # families: ernie45 ernie45_moe qwen2 qwen3
+    .venv/bin/python tools/make_tiny_models.py [family ...]   # families: ernie45 ... mistral (FAMILIES)
 
 Deterministic (fixed seeds; weights bf16-representable unless stored as F32). Each family's config
 mirrors the real repos' field names and values, shrunk to vocab 1024 / hidden 64:
@@ -9,6 +9,12 @@ mirrors the real repos' field names and values, shrunk to vocab 1024 / hidden 64
       1-2 MoE (6 experts, top-2, 2 shared experts, score-correction bias), 0 and 3 dense.
   qwen2_tiny/    Qwen2.5-shaped: q/k/v biases, untied lm_head, tokenizer bpe_json.
   qwen3_tiny/    Qwen3-shaped: q/k norms, head_dim 32 != hidden / heads, tied embeddings, bpe_json.
+  qwen3_moe_tiny/  Qwen3-MoE (as Qwen3-30B-A3B): 6 layers, 6 q / 2 kv heads of head_dim 20, untied head;
+      decoder_sparse_step 2 and mlp_only_layers [3] make layers 1 and 5 MoE (8 experts, top-2, expert FFN 32,
+      norm_topk_prob, no shared experts or correction bias), the others dense; router stored BF16 as the hub's.
+  llama3_tiny/   Llama-3.1-shaped: hidden 96, 6 q / 2 kv heads of head_dim 24, llama3 rope_scaling with
+      original_max_position_embeddings 32 (all three frequency bands in use), untied head, bpe_json.
+  mistral_tiny/  Mistral-7B-v0.3-shaped: 4 q / 1 kv heads, sliding_window null, untied head, bpe_json.
 HF copies are laid out as transformers' save_pretrained / the hub's `-PT` repos write them: keys
 `model.*`, linear weights [out, in], separate q/k/v and gate/up, per-expert `mlp.experts.K.*`, BF16
 (the MoE router `mlp.gate.weight` and `mlp.moe_statics.e_score_correction_bias` in F32, as
@@ -58,6 +64,17 @@ MOE_SHAPE = Shape(layers=4)
 MOE = {"experts": 6, "top_k": 2, "ffn": 32, "shared": 2, "start": 1, "end": 2, "interval": 1}
 QWEN2 = Shape(layers=2)
 QWEN3 = Shape(layers=3, head_dim=32)
+# Llama-3.1-shaped: GQA groups of 3, head_dim 24 (not a power of two; given, as Llama 3.2's configs do, and
+# not hidden / heads; transformers' LlamaConfig wants hidden to be a multiple of heads all the same).
+LLAMA3 = Shape(hidden=96, layers=2, heads=6, kv_heads=2, head_dim=24, ffn=192)
+MISTRAL = Shape(layers=2, heads=4, kv_heads=1, head_dim=16, ffn=224)  # Mistral-7B's groups of 4, FFN 3.5x
+# Llama 3.1's rope_scaling with original_max_position_embeddings 32 (8192 in the real one), so that at the
+# fixture's positions wavelengths fall in all three bands: kept, interpolated and divided by the factor.
+LLAMA3_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 32, "rope_type": "llama3"}
+QWEN3_MOE = Shape(layers=6, heads=6, kv_heads=2, head_dim=20, ffn=96)
+QWEN3_MOE_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": True}
 
 BASE_CONFIG = {
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "hidden_act": "silu", "hidden_size": HIDDEN,
@@ -297,12 +314,7 @@ def ernie45_moe() -> None:
 
 
 def write_qwen(name: str, config: dict[str, object], weights: dict[str, np.ndarray]) -> None:
-    out = fresh_dir(OUT / name)
-    write_json(out / "config.json", config)
-    write_json(out / "generation_config.json", QWEN_GENERATION_CONFIG)
-    write_safetensors(out / "model.safetensors", weights, "BF16")
-    copy_tokenizer(out, "bpe_json")
-    print(f"wrote {out}")
+    write_bpe_model(name, config, QWEN_GENERATION_CONFIG, weights)
 
 
 def qwen2() -> None:
@@ -319,7 +331,71 @@ def qwen3() -> None:
     write_qwen("qwen3_tiny", config, w.w)
 
 
-FAMILIES = {"ernie45": ernie45, "ernie45_moe": ernie45_moe, "qwen2": qwen2, "qwen3": qwen3}
+def qwen3_moe() -> None:
+    w, s, moe = Weights(np.random.default_rng(SEED + 5)), QWEN3_MOE, QWEN3_MOE_EXPERTS
+
+    def mlp(p: str, i: int) -> None:  # transformers' Qwen3MoeDecoderLayer rule
+        if i in moe["mlp_only_layers"] or (i + 1) % moe["decoder_sparse_step"]:
+            w.mlp(p, s.hidden, s.ffn)
+            return
+        w.normal(p + "gate.weight", (moe["num_experts"], s.hidden), ROUTER_STD)
+        for e in range(moe["num_experts"]):
+            w.mlp(p + f"experts.{e}.", s.hidden, moe["moe_intermediate_size"])
+    w.decoder(s, mlp, qk_norm=True)
+    w.normal("lm_head.weight", (s.vocab, s.hidden), EMBED_STD)
+    config = qwen_config("Qwen3MoeForCausalLM", "qwen3_moe", s, tied=False, head_dim=s.head_dim,
+                         attention_bias=False, output_router_logits=False, router_aux_loss_coef=0.001, **moe)
+    write_qwen("qwen3_moe_tiny", config, w.w)
+
+
+def write_bpe_model(name: str, config: dict[str, object], generation: dict[str, object],
+                    weights: dict[str, np.ndarray]) -> None:
+    out = fresh_dir(OUT / name)
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", generation)
+    write_safetensors(out / "model.safetensors", weights, "BF16")
+    copy_tokenizer(out, "bpe_json")
+    print(f"wrote {out}")
+
+
+def llama3() -> None:
+    """Field names and non-size values of Llama-3.1-8B's config.json (rope_scaling as it writes it)."""
+    w, s = Weights(np.random.default_rng(SEED + 6)), LLAMA3
+    w.decoder(s, lambda p, i: w.mlp(p, s.hidden, s.ffn))
+    w.normal("lm_head.weight", (s.vocab, s.hidden), EMBED_STD)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 1019, "eos_token_id": 1021, "head_dim": s.head_dim, "hidden_act": "silu",
+        "hidden_size": s.hidden, "initializer_range": 0.02, "intermediate_size": s.ffn,
+        "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+        "num_attention_heads": s.heads, "num_hidden_layers": s.layers, "num_key_value_heads": s.kv_heads,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": LLAMA3_ROPE_SCALING, "rope_theta": 500000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": s.vocab,
+    }
+    # As Llama-3.1-8B-Instruct's generation_config.json (its eos list: end of text, of turn, of message).
+    generation = {"bos_token_id": 1019, "do_sample": True, "eos_token_id": [1021, 1019], "temperature": 0.6,
+                  "top_p": 0.9}
+    write_bpe_model("llama3_tiny", config, generation, w.w)
+
+
+def mistral() -> None:
+    """Field names and non-size values of Mistral-7B-v0.3's config.json (no sliding window)."""
+    w, s = Weights(np.random.default_rng(SEED + 7)), MISTRAL
+    w.decoder(s, lambda p, i: w.mlp(p, s.hidden, s.ffn))
+    w.normal("lm_head.weight", (s.vocab, s.hidden), EMBED_STD)
+    config = {
+        "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1019,
+        "eos_token_id": 1021, "hidden_act": "silu", "hidden_size": s.hidden, "initializer_range": 0.02,
+        "intermediate_size": s.ffn, "max_position_embeddings": 32768, "model_type": "mistral",
+        "num_attention_heads": s.heads, "num_hidden_layers": s.layers, "num_key_value_heads": s.kv_heads,
+        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": s.vocab,
+    }
+    write_bpe_model("mistral_tiny", config, {"bos_token_id": 1019, "eos_token_id": 1021}, w.w)
+
+
+FAMILIES = {"ernie45": ernie45, "ernie45_moe": ernie45_moe, "qwen2": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
+            "llama3": llama3, "mistral": mistral}
 
 
 def main(argv: list[str]) -> None:

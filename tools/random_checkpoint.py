@@ -1,19 +1,22 @@
 """Random checkpoints of real model shapes, streamed to disk shard by shard (never held in memory).
 Used by benchmarks/large_models.py, and by tests with small shapes.
 
-Three shapes, HF (-PT) layout, bf16 (the MoE router and its correction bias in float32, as transformers
+Four shapes, HF (-PT) layout, bf16 (ERNIE's MoE router and its correction bias in float32, as transformers
 keeps them):
   ernie-4.5-21b-a3b  vocab 103424, hidden 2560, 28 layers (layer 0 dense FFN 12288, then MoE: 64
                      experts, top-6, expert FFN 1536, 2 shared experts), 20 q / 4 kv heads x 128,
                      tied embeddings; 21.8 B parameters
   qwen2-7b           vocab 152064, hidden 3584, 28 layers, 28 q / 4 kv heads x 128, FFN 18944, q/k/v
                      biases, untied LM head; 7.6 B parameters
+  qwen3-30b-a3b      vocab 151936, hidden 2048, 48 layers all MoE (128 experts, top-8, expert FFN 768,
+                     norm_topk_prob, no shared experts; router [128, 2048] bf16 as the hub stores it), 32 q /
+                     4 kv heads x 128 with q/k norms, untied LM head; 30.5 B parameters (3.3 B active)
   ernie-4.5-vl-28b-a3b  the 21B-A3B text shape with a second (vision) expert set per MoE layer (64 experts,
                      FFN 512, its own router and correction-bias row), 3-D rotary (t/h/w = 20/22/22 of
                      64 frequencies), and the vision side: a 32-block ViT (width 1280, 16 heads, FFN
                      5120, 14-pixel patches) and the resampler (2x2 spatial then 2-frame temporal merge
                      to the text width); tokenizer and processor configs of the tiny VL test fixture
-`layers` cuts the depth (the first layers, so a cut MoE model keeps its dense layer 0). Values come
+`layers` cuts the depth (the first layers, so a cut ERNIE MoE model keeps its dense layer 0). Values come
 from a pool of normal samples (std 0.02) read at rotating offsets: writing is bounded by the disk.
 """
 from __future__ import annotations
@@ -48,7 +51,7 @@ class VisionShape:
 
 @dataclass(frozen=True)
 class ModelShape:
-    family: str  # "ernie_moe" or "qwen2"
+    family: str  # "ernie_moe", "ernie_vl", "qwen2" or "qwen3_moe"
     vocab: int
     hidden: int
     layers: int
@@ -72,6 +75,9 @@ SHAPES = {
                                        shared_experts=2, vision_expert_ffn=512, vision=VisionShape()),
     "qwen2-7b": ModelShape("qwen2", vocab=152064, hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128,
                            ffn=18944),
+    # Qwen/Qwen3-30B-A3B's config.json: intermediate_size 6144 is only for dense layers, which it has none of.
+    "qwen3-30b-a3b": ModelShape("qwen3_moe", vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
+                                ffn=6144, experts=128, top_k=8, expert_ffn=768),
 }
 
 # (name, safetensors dtype, shape, fill) with fill "normal", "ones" or "small" (router bias)
@@ -84,9 +90,9 @@ def tensor_specs(s: ModelShape, layers: int, mtp: bool = False) -> list[Spec]:
     h = s.hidden
     specs: list[Spec] = [("model.embed_tokens.weight", "BF16", (s.vocab, h), "normal")]
     for i in range(layers):
-        specs += _layer_specs(s, f"model.layers.{i}.", moe=i > 0)
+        specs += _layer_specs(s, f"model.layers.{i}.", moe=i > 0 or s.family == "qwen3_moe")
     specs.append(("model.norm.weight", "BF16", (h,), "ones"))
-    if s.family == "qwen2":
+    if s.family in ("qwen2", "qwen3_moe"):  # untied LM heads
         specs.append(("lm_head.weight", "BF16", (s.vocab, h), "normal"))
     if s.vision is not None:
         specs += _vision_specs(s.vision, h)
@@ -110,7 +116,12 @@ def _layer_specs(s: ModelShape, p: str, moe: bool) -> list[Spec]:
     if s.family == "qwen2":
         specs += [(p + f"self_attn.{n}_proj.bias", "BF16", (size,), "normal") for n, size in
                   (("q", q), ("k", kv), ("v", kv))]
-    if s.family == "ernie_moe" and moe:
+    if s.family == "qwen3_moe":
+        specs += [(p + f"self_attn.{n}_norm.weight", "BF16", (s.head_dim,), "ones") for n in "qk"]
+        specs.append((p + "mlp.gate.weight", "BF16", (s.experts, h), "normal"))
+        for e in range(s.experts):
+            specs += _mlp(f"{p}mlp.experts.{e}.", h, s.expert_ffn)
+    elif s.family == "ernie_moe" and moe:
         specs += [(p + "mlp.gate.weight", "F32", (s.experts, h), "normal"),
                   (p + "mlp.moe_statics.e_score_correction_bias", "F32", (1, s.experts), "small")]
         for e in range(s.experts):
@@ -169,6 +180,12 @@ def config_for(s: ModelShape, layers: int) -> dict[str, object]:
     if s.family == "qwen2":
         return dict(BASE_CONFIG, **common, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
+    if s.family == "qwen3_moe":
+        return dict(BASE_CONFIG, **common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                    max_window_layers=layers, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    use_sliding_window=False, sliding_window=None, attention_bias=False, num_experts=s.experts,
+                    num_experts_per_tok=s.top_k, moe_intermediate_size=s.expert_ffn, norm_topk_prob=True,
+                    decoder_sparse_step=1, mlp_only_layers=[])
     return dict(BASE_CONFIG, **common, architectures=["Ernie4_5_MoeForCausalLM"], model_type="ernie4_5_moe",
                 rope_theta=500000.0, moe_num_experts=s.experts, moe_k=s.top_k,
                 moe_intermediate_size=s.expert_ffn, moe_num_shared_experts=s.shared_experts,

@@ -81,7 +81,7 @@ def check_tp_size(tp_size: int, config: Any) -> None:
         return
     raw = config.hf_config
     counts = [("num_attention_heads", config.num_attention_heads), ("intermediate_size", config.intermediate_size)]
-    for name in ("moe_num_experts", "moe_intermediate_size"):
+    for name in ("moe_num_experts", "moe_intermediate_size", "num_experts", "num_local_experts"):
         if isinstance(raw.get(name), int) and not isinstance(raw.get(name), bool):
             counts.append((name, raw[name]))
     for name, count in counts:

@@ -2,10 +2,11 @@
 
 Both the HF layout (`-PT` repos, transformers' save_pretrained) and the Paddle layout (`-Paddle` repos)
 describe the model with the same field names; they differ in where the dtype (`torch_dtype` or `dtype`)
-and the rotary base (top-level `rope_theta` or `rope_parameters.rope_theta`) are written. Fields only one
-architecture has (MoE routing, q/k norms) are read by its model class through `ModelConfig.fields()`.
-ERNIE-4.5-VL's text fields may be nested in `text_config`; its multimodal settings are parsed into
-`multimodal` (models/ernie4_5_vl/config.py).
+and the rotary base (top-level `rope_theta` or `rope_parameters.rope_theta`) are written; the rotary
+scaling is read from `rope_parameters` (transformers 5) or `rope_scaling` (older configs): plain rope or
+Llama 3's. Fields only one architecture has (MoE routing, q/k norms) are read by its model class through
+`ModelConfig.fields()`. ERNIE-4.5-VL's text fields may be nested in `text_config`; its multimodal
+settings are parsed into `multimodal` (models/ernie4_5_vl/config.py).
 """
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ _GENERATION_FIELDS: dict[str, str] = {
 _INT_GENERATION_FIELDS = {"top_k", "max_new_tokens"}
 
 # transformers' default for a missing `tie_word_embeddings` differs by model_type (Qwen's configs say False).
-_UNTIED_BY_DEFAULT = {"qwen2", "qwen3"}
+_UNTIED_BY_DEFAULT = {"qwen2", "qwen3", "qwen3_moe", "llama", "mistral"}
+ROPE_TYPES = ("default", "llama3")  # rope_type values the rotary embedding implements
+# transformers' MistralConfig: a config.json without `sliding_window` gets this window (null: full attention).
+_MISTRAL_DEFAULT_WINDOW = 4096
 
 _DTYPE_ALIASES: dict[str, str] = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -59,6 +63,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None  # None: plain rope (rope_type default)
     tie_word_embeddings: bool = True
     use_bias: bool = False
     hidden_act: str = "silu"
@@ -71,6 +76,8 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     # ERNIE-4.5-VL: experts per modality, 3-D rotary split, special tokens (None for text-only models).
     multimodal: Ernie45VLConfig | None = None
+    # Every layer's attention window (Mistral's `sliding_window`); None: full causal attention.
+    sliding_window: int | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
@@ -109,6 +116,8 @@ class ModelConfig:
         eos_source, eos_value = (gen_file, gen["eos_token_id"]) if gen.get("eos_token_id") is not None \
             else (config_file, text.get("eos_token_id"))
         num_layers = reader.get_int("num_hidden_layers")
+        max_positions = reader.get_int("max_position_embeddings")
+        rope_theta, rope_scaling = _rope(text, reader, max_positions)
         return cls(
             model_path=model_path,
             architectures=list(architectures),
@@ -119,9 +128,10 @@ class ModelConfig:
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             vocab_size=reader.get_int("vocab_size"),
-            max_position_embeddings=reader.get_int("max_position_embeddings"),
+            max_position_embeddings=max_positions,
             rms_norm_eps=reader.get_float("rms_norm_eps", default=1e-6),
-            rope_theta=_rope_theta(text, reader),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             tie_word_embeddings=reader.get_bool("tie_word_embeddings",
                                                 default=text.get("model_type") not in _UNTIED_BY_DEFAULT),
             use_bias=reader.get_bool("use_bias", default=False),
@@ -133,6 +143,7 @@ class ModelConfig:
             generation_defaults=_generation_defaults(gen, gen_file),
             hf_config=raw,
             multimodal=Ernie45VLConfig.from_hf_config(raw, config_file, num_layers, head_dim) if multimodal else None,
+            sliding_window=_sliding_window(text, architectures, config_file),
         )
 
     def fields(self) -> FieldReader:
@@ -204,22 +215,64 @@ class FieldReader:
         return value
 
 
-def _rope_theta(raw: dict[str, Any], reader: FieldReader) -> float:
-    # transformers 5 nests it in rope_parameters; older and Paddle configs keep it at the top level.
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        theta = params["rope_theta"]
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-            raise ValueError(f"{reader.file}: field 'rope_parameters.rope_theta' must be a positive number, "
-                             f"got {theta!r}")
-        rope_type = params.get("rope_type", "default")
-    else:
-        theta = reader.get_float("rope_theta", default=10000.0)
-        scaling = raw.get("rope_scaling")
-        rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else "default"
-    if rope_type not in (None, "default"):
-        raise ValueError(f"{reader.file}: rope type {rope_type!r} is not supported (only 'default')")
-    return float(theta)
+@dataclass(frozen=True, slots=True)
+class Llama3RopeScaling:
+    """Llama 3.1's rope scaling (`rope_type: llama3`): frequencies with wavelengths beyond
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, those below
+    original / high_freq_factor kept, those between interpolated (layers/rotary.py)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def _rope(raw: dict[str, Any], reader: FieldReader, max_positions: int) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, scaling). transformers 5 nests both in rope_parameters; older configs keep rope_theta at the
+    top level and the scaling in rope_scaling (`rope_type`, or `type` before transformers 4.45), Paddle's only
+    the top-level rope_theta."""
+    for name in ("rope_parameters", "rope_scaling"):
+        if raw.get(name) is not None and not isinstance(raw[name], dict):
+            raise ValueError(f"{reader.file}: field '{name}' must be an object or null, got {raw[name]!r}")
+    source = next((n for n in ("rope_parameters", "rope_scaling") if raw.get(n)), "rope_scaling")
+    # Keys as written (`rope_scaling.factor`), so that errors say where a value came from.
+    params = FieldReader({f"{source}.{k}": v for k, v in (raw.get(source) or {}).items()}, reader.file)
+    nested_theta = f"{source}.rope_theta" in params.raw and params.raw[f"{source}.rope_theta"] is not None
+    theta = params.get_float(f"{source}.rope_theta") if nested_theta else \
+        reader.get_float("rope_theta", default=10000.0)
+    type_field = f"{source}.rope_type" if f"{source}.rope_type" in params.raw else f"{source}.type"
+    rope_type = params.raw.get(type_field) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{reader.file}: field '{type_field}' is {rope_type!r}; supported rope types: "
+                         f"{', '.join(repr(t) for t in ROPE_TYPES)} (null or 'default' is plain rope)")
+    if rope_type == "default":
+        return theta, None
+    # As transformers: a top-level original_max_position_embeddings first, else the rope dict's, else
+    # max_position_embeddings.
+    original = reader.get_int("original_max_position_embeddings") if raw.get("original_max_position_embeddings") \
+        is not None else params.get_int(f"{source}.original_max_position_embeddings", default=max_positions)
+    scaling = Llama3RopeScaling(
+        factor=params.get_float(f"{source}.factor"),
+        low_freq_factor=params.get_float(f"{source}.low_freq_factor"),
+        high_freq_factor=params.get_float(f"{source}.high_freq_factor"),
+        original_max_position_embeddings=original)
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise ValueError(f"{reader.file}: field '{source}.high_freq_factor' ({scaling.high_freq_factor}) must "
+                         f"exceed '{source}.low_freq_factor' ({scaling.low_freq_factor})")
+    return theta, scaling
+
+
+def _sliding_window(raw: dict[str, Any], architectures: list[str], file: str) -> int | None:
+    # Only Mistral's is read here: Qwen2/3 configs carry a sliding_window that use_sliding_window switches
+    # off (their model classes check that).
+    if "MistralForCausalLM" not in architectures and raw.get("model_type") != "mistral":
+        return None
+    window = raw.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{file}: field 'sliding_window' must be a positive integer or null, got {window!r}")
+    return window
 
 
 def _dtype(raw: dict[str, Any], file: str) -> str:

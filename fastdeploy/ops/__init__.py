@@ -15,11 +15,12 @@ from fastdeploy.ops.norm import rms_norm, rms_norm_reference
 from fastdeploy.ops.pack import pack_into, pack_weight
 from fastdeploy.ops.quant import (FORMATS, PackedWeight, empty_packed, pack_into_reference,
                                    pack_weight_reference, unpack_weight)
-from fastdeploy.ops.rotary import apply_rotary_, apply_rotary_reference, rotary_cos_sin, rotary_embedding_
+from fastdeploy.ops.rotary import (apply_rotary_, apply_rotary_reference, default_inv_freq, rotary_cos_sin,
+                                   rotary_embedding_)
 
 __all__ = [
     "FORMATS", "PackedWeight", "apply_rotary_", "apply_rotary_reference", "bidirectional_attention",
-    "bidirectional_attention_reference", "embedding_lookup",
+    "bidirectional_attention_reference", "default_inv_freq", "embedding_lookup",
     "embedding_lookup_reference", "empty_packed", "fused_moe", "fused_moe_reference", "grouped_expert_forward",
     "keep_freed_memory", "library", "pack_into", "pack_into_reference", "pack_weight", "pack_weight_reference",
     "paged_attention", "paged_attention_reference", "quick_gelu", "quick_gelu_reference", "rms_norm",

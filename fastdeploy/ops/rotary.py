@@ -1,12 +1,12 @@
 """Rotary position embedding applied in place to q and k.
 
 Two pairings: "interleaved" rotates (x[2i], x[2i+1]) (ERNIE-4.5), "neox" rotates (x[i], x[i + D/2])
-(Llama, Qwen); pair i turns by position * theta^(-2i/D) in both. cos/sin depend only on the positions,
-so a model computes them once per step (`rotary_cos_sin`) and every layer applies them.
+(Llama, Qwen); pair i turns by position * inv_freq[i] in both. The model owns its inverse frequencies
+(theta^(-2i/D), `default_inv_freq`, or a scaled table such as Llama 3's), made once at build; cos/sin
+depend only on the positions and that table, so a model computes them once per step (`rotary_cos_sin`)
+and every layer applies them.
 """
 from __future__ import annotations
-
-from functools import lru_cache
 
 import numpy as np
 import paddle
@@ -14,18 +14,23 @@ import paddle
 from fastdeploy.ops.build import call_op, compiled
 
 
-@lru_cache(maxsize=16)
-def _inv_freq(head_dim: int, theta: float) -> paddle.Tensor:
-    # float32 exponent and power, as transformers computes inv_freq.
-    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    return paddle.to_tensor((np.float32(1.0) / np.power(np.float32(theta), exponent)).astype(np.float32))
-
-
-def rotary_cos_sin(positions: paddle.Tensor, head_dim: int, theta: float) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """positions [T] (int) -> cos, sin [T, head_dim / 2] float32."""
+def default_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """theta^(-2i/D) for pairs i < D/2, float32 [D/2]: float32 exponent and power, as transformers computes it."""
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even number, got {head_dim}")
-    freqs = positions.astype("float32").unsqueeze(-1) * _inv_freq(int(head_dim), float(theta))
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    return (np.float32(1.0) / np.power(np.float32(theta), exponent)).astype(np.float32)
+
+
+def rotary_cos_sin(positions: paddle.Tensor, inv_freq: paddle.Tensor | np.ndarray
+                   ) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """positions [T] (int), inv_freq [D/2] float32 -> cos, sin [T, D/2] float32 of position * inv_freq."""
+    if isinstance(inv_freq, np.ndarray):
+        inv_freq = paddle.to_tensor(np.ascontiguousarray(inv_freq, dtype=np.float32))
+    if inv_freq.ndim != 1 or inv_freq.shape[0] < 1 or inv_freq.dtype != paddle.float32:
+        raise ValueError(f"inv_freq must be a 1-D float32 table of D/2 frequencies, got shape "
+                         f"{list(inv_freq.shape)} {inv_freq.dtype}")
+    freqs = positions.astype("float32").unsqueeze(-1) * inv_freq
     return paddle.cos(freqs), paddle.sin(freqs)
 
 
@@ -59,8 +64,11 @@ def apply_rotary_(q: paddle.Tensor, k: paddle.Tensor, cos: paddle.Tensor, sin: p
     return q, k
 
 
-def rotary_embedding_(positions: paddle.Tensor, q: paddle.Tensor, k: paddle.Tensor, theta: float,
-                      interleaved: bool, *, use_compiled: bool = True) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """Rotates q and k in place for `positions` [T]; theta is the rope base (rope_theta)."""
-    cos, sin = rotary_cos_sin(positions, q.shape[-1], theta)
+def rotary_embedding_(positions: paddle.Tensor, q: paddle.Tensor, k: paddle.Tensor,
+                      inv_freq: paddle.Tensor | np.ndarray, interleaved: bool, *, use_compiled: bool = True
+                      ) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Rotates q and k in place for `positions` [T] by the inverse frequencies `inv_freq` [D/2]."""
+    if int(inv_freq.shape[0]) * 2 != q.shape[-1]:
+        raise ValueError(f"inv_freq has {inv_freq.shape[0]} frequencies; head_dim {q.shape[-1]} needs half of it")
+    cos, sin = rotary_cos_sin(positions, inv_freq)
     return apply_rotary_(q, k, cos, sin, interleaved, use_compiled=use_compiled)

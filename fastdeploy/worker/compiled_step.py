@@ -1,7 +1,7 @@
 """The whole forward step of a decoder model in one compiled call (custom_ops/decoder_step.cc).
 
-`CompiledDecoder.build(model, ...)` hands a loaded `CausalLM` (ERNIE-4.5 dense or MoE, Qwen2, Qwen3) to the
-library once. What the model's tensors are (each layer's packed weights, norms, biases, router and
+`CompiledDecoder.build(model, ...)` hands a loaded `CausalLM` (ERNIE-4.5 dense or MoE, Qwen2, Qwen3, Llama,
+Mistral) to the library once. What the model's tensors are (each layer's packed weights, norms, biases, router and
 experts, which layers are dense, the rotary cos/sin table) is the model side's description
 (model_executor/models/compiled_description.py); this module only mirrors decoder_step.cc's structures,
 fills them from that description and the KV cache layers, and calls the library. ERNIE-4.5-VL runs its

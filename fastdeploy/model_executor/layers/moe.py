@@ -84,7 +84,8 @@ class FusedExperts(nn.Layer):
 
 class SparseMoE(nn.Layer):
     """Routed experts with a linear softmax gate, plus (optionally) always-on shared experts. Parameters:
-    `gate.weight` [hidden, E], `moe_statics.e_score_correction_bias` [1, E], `experts.K.*`.
+    `gate.weight` [hidden, E], `moe_statics.e_score_correction_bias` [1, E] (absent without
+    `correction_bias`: plain top-k, as Qwen3-MoE), `experts.K.*`.
 
     Tensor parallel: the router is replicated (every rank routes every token identically, from
     bitwise-identical inputs) and rank r keeps experts [r * E / R, (r + 1) * E / R), whole; the shared
@@ -93,7 +94,7 @@ class SparseMoE(nn.Layer):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  norm_min: float | None = None, hidden_act: str = "silu", shared_intermediate_size: int = 0,
-                 shared_bias: bool = False, tp: TPGroup | None = None) -> None:
+                 shared_bias: bool = False, tp: TPGroup | None = None, correction_bias: bool = True) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
@@ -105,7 +106,7 @@ class SparseMoE(nn.Layer):
         self.top_k = top_k
         self.norm_min = norm_min
         self.gate = Linear(hidden_size, num_experts, bias=False, role="router")
-        self.moe_statics = MoEStatics(num_experts)
+        self.moe_statics = MoEStatics(num_experts) if correction_bias else None
         per = num_experts // self.tp.size
         self.experts = FusedExperts(hidden_size, intermediate_size, self.tp.rank * per, per)
         # Checkpoint tensors of other ranks' experts are not read here (see load.py).
@@ -121,7 +122,8 @@ class SparseMoE(nn.Layer):
         shared = self.shared_experts
         fused_shared = shared is not None and shared.up_gate_proj.bias is None and shared.down_proj.bias is None
         out = ops.fused_moe(
-            x, self.gate.packed, self.moe_statics.bias(), self.experts.up_gate.value, self.experts.down.value,
+            x, self.gate.packed, self.moe_statics.bias() if self.moe_statics is not None else None,
+            self.experts.up_gate.value, self.experts.down.value,
             self.top_k, self.norm_min, self.experts.start, self.num_experts,
             shared.up_gate_proj.packed if fused_shared else None, shared.down_proj.packed if fused_shared else None)
         if shared is not None and not fused_shared:

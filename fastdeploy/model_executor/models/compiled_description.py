@@ -3,9 +3,11 @@ the model side: which tensor is each layer's norm, bias, projection, router and 
 are dense and which MoE, and the rotary tables. `worker/compiled_step.py` turns a description into the
 library's C structures; what a model's tensors mean is decided here, next to the models, not there.
 
-Covered: every `CausalLM` of this package (ERNIE-4.5 dense and MoE, Qwen2, Qwen3) and ERNIE-4.5-VL's text
-side (its text experts; steps with vision rows take the layer path). Not covered (`unsupported_reason`):
-tensor parallel and shared experts with biases, which the library has no slot for.
+Covered: every `CausalLM` of this package (ERNIE-4.5 dense and MoE, Qwen2, Qwen3, Qwen3-MoE, Llama,
+Mistral) and ERNIE-4.5-VL's text side (its text experts; steps with vision rows take the layer path). The
+rotary tables are the layer path's cos/sin of every position, from the model's inverse frequencies (Llama 3's
+scaled ones included). Not covered (`unsupported_reason`): tensor parallel and shared experts with biases,
+which the library has no slot for.
 
 Built once per model, so nothing here runs per step.
 """
@@ -18,7 +20,6 @@ from dataclasses import dataclass
 import paddle
 from paddle import nn
 
-from fastdeploy import ops
 from fastdeploy.model_executor.layers.linear import GatedMLP
 from fastdeploy.model_executor.layers.moe import SparseMoE
 from fastdeploy.model_executor.layers.moe_multimodal import MultimodalMoE
@@ -127,7 +128,8 @@ def _moe(mlp: SparseMoE | MultimodalMoE) -> CompiledMoE:
     router, experts = (mlp.gate.text.value, mlp.experts.text) if multimodal else (mlp.gate.packed, mlp.experts)
     shared = mlp.shared_experts
     return CompiledMoE(
-        router=router, correction_bias=mlp.moe_statics.e_score_correction_bias,
+        router=router,
+        correction_bias=mlp.moe_statics.e_score_correction_bias if mlp.moe_statics is not None else None,
         experts_up_gate=experts.up_gate.value, experts_down=experts.down.value,
         shared_up_gate=shared.up_gate_proj.packed if shared is not None else None,
         shared_down=shared.down_proj.packed if shared is not None else None,
@@ -156,7 +158,8 @@ def describe(model: nn.Layer, max_positions: int, mtp: bool = False) -> Compiled
     [0, max_positions); `mtp`: its MTP layer (ernie4_5_mtp.py) as the model, its input made from hidden states."""
     cfg, decoder = model.config, model.model
     layers = _layers(model, mtp)
-    cos, sin = ops.rotary_cos_sin(paddle.arange(max_positions, dtype="int64"), cfg.head_dim, decoder.rotary.base)
+    # The layer path's cos/sin for every position, from the model's own inverse frequencies.
+    cos, sin = decoder.rotary.cos_sin(paddle.arange(max_positions, dtype="int64"))
     attn = layers[0].self_attn
     return CompiledModel(
         layers=tuple(_layer(layer) for layer in layers), hidden=cfg.hidden_size, heads=attn.num_heads,

@@ -17,7 +17,7 @@ from fastdeploy.model_executor.layers.attention import Attention
 from fastdeploy.model_executor.layers.embeddings import LMHead, VocabEmbedding
 from fastdeploy.model_executor.layers.linear import GatedMLP, MergedLinear, RowParallelLinear, qkv_slices
 from fastdeploy.model_executor.layers.norm import RMSNorm
-from fastdeploy.model_executor.layers.rotary import CosSin, RotaryEmbedding
+from fastdeploy.model_executor.layers.rotary import CosSin, RotaryEmbedding, rope_inv_freq
 
 MLPFactory = Callable[[ModelConfig, int], nn.Layer]
 RunMLP = Callable[[nn.Layer, paddle.Tensor], paddle.Tensor]
@@ -82,7 +82,7 @@ class DecoderModel(nn.Layer):
         self.layers = nn.LayerList([DecoderLayer(config, i, attention, make_mlp)
                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, interleaved=interleaved_rotary)
+        self.rotary = RotaryEmbedding(rope_inv_freq(config), interleaved=interleaved_rotary)
 
     def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
         return self.decode(self.embed_tokens(input_ids), self.rotary.cos_sin(positions))

@@ -13,6 +13,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Ernie4_5_VL_MoeForConditionalGeneration": ("ernie4_5_vl.model", "Ernie4_5_VLMoeForConditionalGeneration"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
+from fastdeploy import ops
 from fastdeploy.model_executor.checkpoint import Checkpoint
 from fastdeploy.model_executor.layers.moe_multimodal import ModalitySplit, MultimodalMoE
 from fastdeploy.model_executor.layers.packed import Precision
@@ -47,8 +48,7 @@ class Rotary3D:
 
     def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> None:
         # The same float32 inv_freq as the 1-D rotary (ops.rotary), so that t = h = w gives its bits.
-        exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-        self.inv_freq = paddle.to_tensor(np.float32(1.0) / np.power(np.float32(theta), exponent))
+        self.inv_freq = paddle.to_tensor(ops.default_inv_freq(head_dim, theta))
         hw = mrope_section[0] + mrope_section[1]
         # Position row (0 t, 1 h, 2 w) of each frequency: h, w alternate over the first hw, then t.
         self.axis = paddle.to_tensor(np.array([1 + j % 2 if j < hw else 0 for j in range(head_dim // 2)]))
