@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -165,3 +166,51 @@ def test_tool_calls_in_whole_and_streamed_responses(llm, monkeypatch):
     assert second.function.arguments == call.function.arguments
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["tool_calls"]
+
+
+# A Llama 3 JSON call, as the tiny random model writes it when guided by this pattern.
+LLAMA_CALL = r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Rome|Oslo)"\}\}'
+
+
+@pytest.fixture(scope="module")
+def llama_templated(tmp_path_factory):
+    """qwen3_tiny with Llama 3.1's own template (a checkpoint's chat_template.jinja wins over tokenizer_config)."""
+    model = tmp_path_factory.mktemp("llama_template") / "qwen3_tiny"
+    shutil.copytree(QWEN3, model)
+    shutil.copy(Path(QWEN3).parent.parent / "templates" / "llama3_1_tools.jinja", model / "chat_template.jinja")
+    return str(model)
+
+
+def test_llama3_json_calls_through_the_server(llama_templated):
+    """--tool-call-parser llama3_json: the prompt is Llama's (tools in the first user turn), and the call the model
+    writes comes back as message.tool_calls / delta.tool_calls, as LLM.chat parses it."""
+    # Llama's template lists the tools as indented JSON: a longer context than the other tests'.
+    llm = LLM(model=llama_templated, max_model_len=1024, tool_call_parser="llama3_json")
+    params = SamplingParams(temperature=0, max_tokens=40, guided_decoding=GuidedDecodingParams(regex=LLAMA_CALL))
+    ref = llm.chat(MESSAGES, params, use_tqdm=False, tools=[WEATHER])[0]
+    assert "Environment: ipython" in ref.prompt and "Given the following functions" in ref.prompt
+    [ref_call] = ref.outputs.tool_calls
+    written = json.loads(llm.get_tokenizer().decode(ref.outputs.token_ids))
+    assert ref.outputs.text == "" and ref.outputs.finish_reason == "stop"
+    assert (ref_call["function"]["name"], json.loads(ref_call["function"]["arguments"])) == \
+        (written["name"], written["parameters"])
+    server = Server(llama_templated, "--tool-call-parser", "llama3_json", "--served-model-name", "tiny",
+                    "--max-model-len", "1024")
+    try:
+        args = dict(model="tiny", messages=MESSAGES, tools=[WEATHER], temperature=0, max_tokens=40,
+                    extra_body={"guided_regex": LLAMA_CALL, "return_token_ids": True})
+        r = server.client().chat.completions.create(**args)
+        choice = r.choices[0]
+        assert choice.message.prompt_token_ids == ref.prompt_token_ids
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert (call.function.name, call.function.arguments) == (ref_call["function"]["name"],
+                                                                 ref_call["function"]["arguments"])
+        args["extra_body"] = {"guided_regex": LLAMA_CALL}
+        chunks = list(server.client().chat.completions.create(**args, stream=True))
+        items = [item for c in chunks if c.choices for item in c.choices[0].delta.tool_calls or []]
+        assert [i.function.name for i in items] == ["get_weather", None]
+        assert "".join(i.function.arguments for i in items) == call.function.arguments
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    finally:
+        assert server.stop() == 0

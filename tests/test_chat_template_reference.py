@@ -1,9 +1,13 @@
 """llm.chat's prompts against transformers' apply_chat_template (chat_template_reference.json, made by
 tools/make_chat_template_reference.py): every fixture template, chat_template overrides, enable_thinking,
-add_generation_prompt and continue_final_message, byte for byte; what transformers refuses is refused."""
+add_generation_prompt and continue_final_message, byte for byte; what transformers refuses is refused.
+The models' own tool templates (Llama 3.1 / 3.2, Mistral-7B-Instruct-v0.3, Qwen3) also with tools, tool calls,
+tool results and their keywords (date_string, tools_in_user_message, builtin_tools, custom_tools); the clock
+`strftime_now` reads is pinned to the one the reference saw."""
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from functools import cache
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import pytest
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.entrypoints.prompts import render_chat_text
+from fastdeploy.input import chat_template
 from fastdeploy.input.chat_template import render_chat_template
 from fastdeploy.input.tokenizer import Tokenizer
 
@@ -18,6 +23,19 @@ FIXTURES = Path(__file__).parent / "fixtures"
 REFERENCE = json.loads((FIXTURES / "reference" / "chat_template_reference.json").read_text(encoding="utf-8"))
 CASES = REFERENCE["cases"]
 OVERRIDES = REFERENCE["templates"]  # chat_template overrides by name
+MODEL_TEMPLATES = ["llama3_1_tools", "llama3_2_tools", "mistral_v0_3_tools", "qwen3_tools"]
+
+
+class _ReferenceClock(datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return datetime.fromisoformat(REFERENCE["now"])
+
+
+@pytest.fixture(autouse=True)
+def reference_clock(monkeypatch):
+    """strftime_now reads the clock the reference was rendered at (Llama 3.2's template prints today's date)."""
+    monkeypatch.setattr(chat_template, "datetime", _ReferenceClock)
 
 
 @cache
@@ -40,6 +58,17 @@ def test_reference_covers_every_fixture_template_and_mode():
     assert {k.get("enable_thinking") for k in kwargs} == {None, True, False}
     assert {(k["add_generation_prompt"], k.get("continue_final_message", False)) for k in kwargs} == {
         (True, False), (False, False), (False, True)}
+    for name in MODEL_TEMPLATES:  # each model's template with tools, calls and results, and its keywords
+        rendered = [c for c in CASES if c["chat_template"] == name and "text" in c and "tools" in c["kwargs"]]
+        assert {m["role"] for c in rendered for m in c["messages"]} == {"system", "user", "assistant", "tool"}
+        assert any(m.get("tool_calls") for c in rendered for m in c["messages"])
+        assert {k for c in rendered for k in c["kwargs"]} >= {"date_string", "tools_in_user_message", "builtin_tools",
+                                                              "custom_tools", "add_generation_prompt"}
+    llama32 = [c for c in CASES if c["chat_template"] == "llama3_2_tools" and "text" in c]
+    today = datetime.fromisoformat(REFERENCE["now"]).strftime("%d %b %Y")
+    assert any(f"Today Date: {today}" in c["text"] for c in llama32)  # strftime_now was called
+    assert any("<|python_tag|>brave_search.call(" in c["text"] for c in CASES if "text" in c)  # builtin tools
+    assert any("[TOOL_CALLS] [" in c["text"] for c in CASES if "text" in c)
 
 
 @pytest.mark.parametrize("source", sorted({c["source"] for c in CASES}))

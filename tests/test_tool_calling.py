@@ -128,14 +128,14 @@ def test_an_unclosed_last_call_counts_only_for_hermes():
         assert get_tool_parser(name).split(cut, final=True) == ToolCallSplit(cut, [])
 
 
-KNOWN = r"\['ernie-45-vl-thinking', 'ernie-x1', 'ernie_45-vl-thinking', 'hermes'\]"
+KNOWN = r"\['ernie-45-vl-thinking', 'ernie-x1', 'ernie_45-vl-thinking', 'hermes', 'llama3_json', 'mistral'\]"
 
 
 def test_unknown_parser_names_the_allowed_ones(tmp_path):
     with pytest.raises(ValueError, match=r"tool_call_parser must be one of " + KNOWN):
         get_tool_parser("qwen")
     with pytest.raises(ValueError, match=r"tool_call_parser must be one of " + KNOWN + " or None"):
-        LLM(model=str(QWEN3), tool_call_parser="mistral")
+        LLM(model=str(QWEN3), tool_call_parser="pythonic")
 
 
 VL_CALLS = '\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
@@ -207,6 +207,111 @@ def test_every_prefix_split_is_a_prefix_of_the_final_split(name, text):
         assert final.text.startswith(part.text) and final.calls[:len(part.calls)] == part.calls, end
 
 
+# ---- Llama 3.x JSON calls (llama3_json) and Mistral's [TOOL_CALLS] (mistral) ----------------------------
+CHAT_REF = json.loads((FIXTURES / "reference" / "chat_template_reference.json").read_text(encoding="utf-8"))
+
+
+def _calls_in(messages: list[dict]) -> list[tuple[str, dict]]:
+    """The calls of a conversation's assistant messages, arguments as objects."""
+    return [(c["function"]["name"], c["function"]["arguments"] if isinstance(c["function"]["arguments"], dict)
+             else json.loads(c["function"]["arguments"])) for m in messages for c in m.get("tool_calls") or []]
+
+
+def test_llama3_json_reads_the_calls_llamas_template_writes():
+    """The assistant turns transformers rendered with Llama 3.1 / 3.2's own templates (the format the model
+    learned) parse back into the conversation's calls; a builtin tool's `<|python_tag|>name.call(...)` is not
+    JSON and stays text."""
+    parser, checked = get_tool_parser("llama3_json"), 0
+    for case in CHAT_REF["cases"]:
+        if case["chat_template"] not in ("llama3_1_tools", "llama3_2_tools") or "text" not in case:
+            continue
+        for turn in case["text"].split("<|start_header_id|>assistant<|end_header_id|>\n\n")[1:]:
+            body = turn.split("<|eot_id|>")[0].split("<|eom_id|>")[0]
+            split = parser.split(body, final=True)
+            if body.startswith("<|python_tag|>"):
+                assert split == ToolCallSplit(body, []), body
+            elif body.startswith("{"):
+                assert split.text == "" and calls_of(split) == _calls_in(case["messages"]), body
+                checked += 1
+            else:
+                assert split == ToolCallSplit(body, [])
+    assert checked >= 20
+
+
+def test_mistral_reads_the_calls_mistrals_template_writes():
+    parser, checked = get_tool_parser("mistral"), 0
+    for case in CHAT_REF["cases"]:
+        if case["chat_template"] != "mistral_v0_3_tools" or "[TOOL_CALLS]" not in case.get("text", ""):
+            continue
+        eos = Tokenizer.from_pretrained(FIXTURES / case["source"]).eos_token
+        rendered = case["text"][case["text"].index("[TOOL_CALLS]"):].split("[TOOL_RESULTS]")[0]
+        split = parser.split(rendered.replace(eos, ""), final=True)
+        assert split.text == "" and calls_of(split) == _calls_in(case["messages"]), rendered
+        checked += 1
+    assert checked >= 20
+
+
+LLAMA_TWO_CALLS = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "巴黎", "unit": "celsius"}}; '
+                   '{"name": "search", "arguments": {"query": "Paris \\"events\\"", "top_k": 3}}')
+LLAMA_TEXT_THEN_CALL = 'Let me look.\n<|python_tag|>{"name": "search", "parameters": "{\\"query\\": \\"q\\"}"}'
+LLAMA_BAD = '{"name": "get_weather", "parameters": {"city": }}; {"name": "search", "parameters": {}}'
+MISTRAL_TWO_CALLS = ('Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "巴黎"}}, '
+                     '{"name": "search", "arguments": {"query": "q", "top_k": 3}}] ')
+
+
+def test_llama3_json_calls_text_and_malformed_objects():
+    parser = get_tool_parser("llama3_json")
+    assert parser.split(LLAMA_TWO_CALLS, final=True) == ToolCallSplit("", [
+        ParsedCall("get_weather", '{"city": "巴黎", "unit": "celsius"}'),
+        ParsedCall("search", '{"query": "Paris \\"events\\"", "top_k": 3}')])
+    # text before the tag stays; arguments written as a JSON string count as that object
+    assert parser.split(LLAMA_TEXT_THEN_CALL, final=True) == ToolCallSplit(
+        "Let me look.\n", [ParsedCall("search", '{"query": "q"}')])
+    # without the tag the calls must open the answer (whitespace aside); text after them stays text
+    assert parser.split(' \n{"name": "now", "parameters": {}} Done.', final=True) == ToolCallSplit(
+        " Done.", [ParsedCall("now", "{}")])
+    # malformed JSON: from there on all is text, as written
+    assert parser.split(LLAMA_BAD, final=True) == ToolCallSplit(LLAMA_BAD, [])
+    for text in ['Answer: {"name": "now", "parameters": {}}',  # JSON not opening the answer (no tag)
+                 '{"answer": 42}', '{"name": "now"}', '{"name": "f", "parameters": {}, "arguments": {}}',
+                 '{"name": "f", "parameters": [1]}', '<|python_tag|>brave_search.call(query="x")',
+                 '{"name": "f", "parameters": {"a": 1}', '<|python_tag|>']:
+        assert parser.split(text, final=True) == ToolCallSplit(text, []), text
+    # an object that is no call stays text among calls
+    assert parser.split('{"x": 1}; {"name": "now", "parameters": {}}', final=True) == ToolCallSplit(
+        '{"x": 1}', [ParsedCall("now", "{}")])
+    assert parser.split('  ', final=False) == ToolCallSplit("", [])  # the answer may still open with a call
+    assert parser.split('Hi <|python', final=False) == ToolCallSplit("Hi ", [])
+
+
+def test_mistral_calls_text_and_malformed_arrays():
+    parser = get_tool_parser("mistral")
+    assert parser.split(MISTRAL_TWO_CALLS, final=True) == ToolCallSplit("Sure.", [
+        ParsedCall("get_weather", '{"city": "巴黎"}'), ParsedCall("search", '{"query": "q", "top_k": 3}')])
+    for text in ['[TOOL_CALLS] [{"name": "f", "arguments": {"a": }}]', '[TOOL_CALLS] {"name": "f", "arguments": {}}',
+                 '[TOOL_CALLS] []', '[TOOL_CALLS] [{"name": "f"}]', '[TOOL_CALLS] [{"name": "f", "arguments": {}}, 3]',
+                 'x [TOOL_CALLS] [{"name": "f", "arguments": {}}', '[TOOL_CALLS]']:
+        assert parser.split(text, final=True) == ToolCallSplit(text, []), text
+    assert parser.split("ok [TOOL_", final=False) == ToolCallSplit("ok ", [])
+    # ids Mistral's template takes back: 9 letters and digits
+    ids = {parser.new_call_id() for _ in range(20)}
+    assert len(ids) == 20 and all(len(i) == 9 and i.isalnum() for i in ids)
+    assert get_tool_parser("hermes").new_call_id().startswith("call_")
+
+
+@pytest.mark.parametrize("name, text", [
+    ("llama3_json", LLAMA_TWO_CALLS), ("llama3_json", LLAMA_TEXT_THEN_CALL), ("llama3_json", LLAMA_BAD),
+    ("llama3_json", '{"x": 1}; {"name": "now", "parameters": {}} ; tail'), ("llama3_json", "plain <|python answer"),
+    ("mistral", MISTRAL_TWO_CALLS), ("mistral", '[TOOL_CALLS] [{"name": "f"}] then [TOOL_CALLS] [{"name": "g", '
+                                                '"arguments": {}}] end'), ("mistral", "no [TOOL_ calls")])
+def test_every_prefix_split_of_the_json_formats_is_a_prefix_of_the_final_split(name, text):
+    parser = get_tool_parser(name)
+    final = parser.split(text, final=True)
+    for end in range(len(text) + 1):
+        part = parser.split(text[:end], final=False)
+        assert final.text.startswith(part.text) and final.calls[:len(part.calls)] == part.calls, end
+
+
 def test_forced_call_parsers():
     from fastdeploy.tool_parsers.forced import NamedCallParser, RequiredCallsParser, forced_call_schema
     named = NamedCallParser("get_weather")
@@ -255,8 +360,10 @@ def joined(deltas) -> tuple[str, str | None, list[dict] | None]:
     return text, None if reasoning[0] is None else "".join(reasoning), join_call_deltas(items) or None
 
 
-@pytest.mark.parametrize("name", ["hermes", "ernie-x1"])
-@pytest.mark.parametrize("text", [QWEN_TWO_CALLS, QWEN_BAD_THEN_GOOD])
+@pytest.mark.parametrize("name, text", [
+    ("hermes", QWEN_TWO_CALLS), ("hermes", QWEN_BAD_THEN_GOOD), ("ernie-x1", QWEN_TWO_CALLS),
+    ("ernie-x1", QWEN_BAD_THEN_GOOD), ("llama3_json", LLAMA_TWO_CALLS), ("llama3_json", LLAMA_TEXT_THEN_CALL),
+    ("mistral", MISTRAL_TWO_CALLS)])
 def test_stream_deltas_join_to_the_whole_output(name, text):
     tok = Tokenizer.from_pretrained(QWEN3)
     processor = OutputProcessor(tok, None, get_tool_parser(name))
@@ -266,7 +373,8 @@ def test_stream_deltas_join_to_the_whole_output(name, text):
     assert whole.text == split.text and whole.finish_reason == "stop"
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls] == \
         [(c.name, c.arguments) for c in split.calls]
-    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in whole.tool_calls)
+    id_ok = (lambda i: len(i) == 9 and i.isalnum()) if name == "mistral" else (lambda i: i.startswith("call_"))
+    assert all(id_ok(c["id"]) and c["type"] == "function" for c in whole.tool_calls)
     deltas = run_output(processor, ids, stream=True, number=1)
     text_s, _, calls_s = joined(deltas)
     assert text_s == whole.text
@@ -294,6 +402,32 @@ def test_calls_come_from_the_content_not_the_reasoning():
     # without tools the reasoning parser still drops the call from the text, as before
     plain = run_output(processor, ids, stream=False, number=2, tool_calls=False).outputs
     assert plain.text == "" and plain.tool_calls is None and plain.reasoning_content == whole.reasoning_content
+
+
+@pytest.mark.parametrize("name, text, kept", [("mistral", MISTRAL_TWO_CALLS, "[TOOL_CALLS]"),
+                                              ("llama3_json", LLAMA_TEXT_THEN_CALL, "<|python_tag|>")])
+def test_a_parsers_marker_survives_skipping_special_tokens(tmp_path, name, text, kept):
+    """Mistral's [TOOL_CALLS] and Llama's <|python_tag|> are special tokens, which outputs leave out by default
+    (skip_special_tokens): the detokenizer keeps the request's parser's markers, and only those."""
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / file).write_bytes((QWEN3 / file).read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["additional_special_tokens"] += ["[TOOL_CALLS]", "<|python_tag|>"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    assert tok.encode(kept, add_special_tokens=False) == [tok.token_to_id(kept)] and kept not in tok.decode(ids)
+    expected = get_tool_parser(name).split(text, final=True)
+    processor = OutputProcessor(tok, None, get_tool_parser(name))
+    whole = run_output(processor, ids, stream=False, number=0).outputs
+    assert whole.text == expected.text and len(expected.calls) > 0
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls] == \
+        [(c.name, c.arguments) for c in expected.calls]
+    streamed, _, calls = joined(run_output(processor, ids, stream=True, number=1))
+    assert streamed == whole.text and [c["function"] for c in calls] == [c["function"] for c in whole.tool_calls]
+    # another parser's request (and the eos token) still skip them
+    other = run_output(OutputProcessor(tok, None, get_tool_parser("hermes")), ids, stream=False, number=2).outputs
+    assert other.text == tok.decode(ids) and kept not in other.text
 
 
 # ---- LLM.chat -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ ids plus the held-back ones, not to the output length.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from fastdeploy.engine.request import Request
@@ -24,7 +24,7 @@ from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.outputs import CompletionOutput, Logprob, RequestOutput
 from fastdeploy.reasoning.parsers import THINK_END, ReasoningParser
 from fastdeploy.step_types import TopLogprobs
-from fastdeploy.tool_parsers.calls import call_deltas, call_dict, new_call_id
+from fastdeploy.tool_parsers.calls import call_deltas, call_dict
 from fastdeploy.tool_parsers.parsers import ParsedCall, ToolParser
 
 # Prompt ids kept as left context for the first delta (vLLM uses the same 5).
@@ -35,11 +35,14 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Text deltas for one sequence; `"".join(deltas) + flush()` equals decoding all output ids."""
 
-    __slots__ = ("_tokenizer", "_skip", "_ids", "_read", "_parts", "_text")
+    __slots__ = ("_tokenizer", "_skip", "_keep", "_ids", "_read", "_parts", "_text")
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
+                 keep: Mapping[int, str] | None = None) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        # Special tokens written out even when skipping special tokens (a tool parser's markers): id -> text.
+        self._keep = dict(keep or {}) if skip_special_tokens else {}
         # Window of ids still needed: context ids [0, _read) followed by ids whose text is not out yet.
         context = prompt_token_ids[-PROMPT_CONTEXT_TOKENS:] if len(prompt_token_ids) else []
         self._ids: list[int] = [int(i) for i in context]
@@ -65,11 +68,23 @@ class IncrementalDetokenizer:
         """Release text held back for an unfinished character (it decodes with U+FFFD); call at the end."""
         return self._emit(final=True)
 
+    def _decode(self, ids: list[int]) -> str:
+        if not self._keep or not any(i in self._keep for i in ids):
+            return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        parts, run = [], []
+        for i in ids:
+            if i in self._keep:
+                parts += [self._tokenizer.decode(run, skip_special_tokens=True), self._keep[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(parts) + self._tokenizer.decode(run, skip_special_tokens=True)
+
     def _emit(self, final: bool) -> str:
-        decode = self._tokenizer.decode
+        decode = self._decode
         ids = self._ids
-        context = decode(ids[:self._read], skip_special_tokens=self._skip)
-        window = decode(ids, skip_special_tokens=self._skip)
+        context = decode(ids[:self._read])
+        window = decode(ids)
         if len(window) <= len(context) or (window.endswith(_REPLACEMENT) and not final):
             return ""  # nothing new yet (a skipped special token) or a character still incomplete
         delta = window[len(context):]
@@ -128,14 +143,20 @@ class OutputProcessor:
         parser applies). tool_calls: parse tool calls out of this output (a chat given tools) with the tool
         parser, if there is one, or with the parser given (calls forced by tool_choice)."""
         parser = self.reasoning_parser
+        tool_parser = tool_calls if isinstance(tool_calls, ToolParser) else self.tool_parser if tool_calls else None
         state = self.states[request.request_id] = TextState(
             index=index, prompt=prompt,
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                               request.params.skip_special_tokens),
+                                               request.params.skip_special_tokens, self._markers(tool_parser)),
             reasoning=parser is not None and parser.starts_in_reasoning(prompt, enable_thinking),
-            tool_parser=tool_calls if isinstance(tool_calls, ToolParser) else self.tool_parser if tool_calls else None,
+            tool_parser=tool_parser,
             prompt_logprobs=[None] if request.wants_prompt_logprobs else None)
         return state.reasoning
+
+    def _markers(self, tool_parser: ToolParser | None) -> dict[int, str]:
+        """The tool parser's markers that are single tokens of this tokenizer, by id."""
+        ids = {m: self.tokenizer.encode(m, add_special_tokens=False) for m in getattr(tool_parser, "MARKERS", ())}
+        return {i[0]: m for m, i in ids.items() if len(i) == 1}
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -213,7 +234,7 @@ class OutputProcessor:
         if not parse_calls:
             return reasoning, text, []
         split = state.tool_parser.split(text, final)
-        state.call_ids += [new_call_id() for _ in range(len(split.calls) - len(state.call_ids))]
+        state.call_ids += [state.tool_parser.new_call_id() for _ in range(len(split.calls) - len(state.call_ids))]
         return reasoning, split.text, split.calls
 
     def make_output(self, request: Request, delta: bool = False) -> RequestOutput:

@@ -3,17 +3,13 @@ output (`{"id", "type", "function": {"name", "arguments"}}`) and of stream delta
 first with id, type and name, then the arguments), and joining deltas back into calls."""
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fastdeploy.tool_parsers.parsers import ParsedCall
+from fastdeploy.tool_parsers.parsers import ParsedCall, new_call_id
 
+__all__ = ["call_deltas", "call_dict", "check_tool_choice", "check_tools", "join_call_deltas", "new_call_id"]
 TOOL_CHOICES = ("none", "auto", "required")
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]] | None:

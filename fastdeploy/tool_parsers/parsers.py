@@ -2,13 +2,15 @@
 
 A parser looks at the whole content so far and returns the text outside the calls and the calls found.
 Like the reasoning parsers, while the output is unfinished it returns only what can no longer change:
-an unclosed `<tool_call>` block (or a tail that may still grow into one) is held back, and a call is
-reported only once its block is closed and its JSON parsed. So streamed deltas join to exactly the final
-split, and malformed call text is never streamed as a call: it stays in the text.
+an unclosed `<tool_call>` block (or a tail that may still grow into one, or a JSON object or array still
+open in the Llama 3 / Mistral formats) is held back, and a call is reported only once its block or JSON is
+closed and parsed. So streamed deltas join to exactly the final split, and malformed call text is never
+streamed as a call: it stays in the text.
 """
 from __future__ import annotations
 
 import json
+import uuid
 from abc import ABC
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -48,17 +50,46 @@ def dumps(value: Any) -> str | None:
         return None
 
 
-def parse_call(body: str) -> ParsedCall | None:
-    """`{"name": ..., "arguments": {...}}` -> a call; None if the body is not such an object. Arguments given
-    as a string holding a JSON object are taken as that object; missing arguments are {}."""
-    obj = loads(body)
+def call_of(obj: Any, keys: tuple[str, ...] = ("arguments",), required: bool = False) -> ParsedCall | None:
+    """`{"name": ..., <key>: {...}}` -> a call (key one of `keys`, at most one given); None if obj is not such
+    an object. Arguments given as a string holding a JSON object are taken as that object; missing arguments
+    are {} unless `required`."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    arguments: Any = obj.get("arguments", {})
+    given = [k for k in keys if k in obj]
+    if len(given) > 1 or (required and not given):
+        return None
+    arguments: Any = obj[given[0]] if given else {}
     if isinstance(arguments, str):
         arguments = loads(arguments)
     text = dumps(arguments) if isinstance(arguments, dict) else None
     return None if text is None else ParsedCall(obj["name"], text)
+
+
+def parse_call(body: str) -> ParsedCall | None:
+    """`{"name": ..., "arguments": {...}}` text -> a call (see call_of)."""
+    return call_of(loads(body))
+
+
+_DECODER = json.JSONDecoder()
+
+
+def json_at(text: str, pos: int) -> tuple[Any, int] | None:
+    """The JSON value starting at text[pos] and the index after it; None if no whole value starts there."""
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except (ValueError, RecursionError):
+        return None
+
+
+def skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ToolParser(ABC):
@@ -70,6 +101,13 @@ class ToolParser(ABC):
     END: ClassVar[str] = "</tool_call>"
     # Whether a last block left open when the output ends still counts (a model stopped by a stop token).
     accept_unclosed: ClassVar[bool] = False
+    # Special tokens the parser must see in the text even when the request skips special tokens (a
+    # format's marker that is one special token, like Mistral's [TOOL_CALLS]): the detokenizer keeps them.
+    MARKERS: ClassVar[tuple[str, ...]] = ()
+
+    def new_call_id(self) -> str:
+        """An id for a call found in the output (OpenAI's `call_...` unless the format wants others)."""
+        return new_call_id()
 
     def split(self, content: str, final: bool) -> ToolCallSplit:
         text: list[str] = []
@@ -139,8 +177,101 @@ class Ernie45VLThinkingToolParser(ToolParser):
         return ToolCallSplit("", split.calls)
 
 
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1 / 3.2 / 3.3 JSON tool calls (vLLM's `llama3_json`): the calls end the answer, one or more
+    `{"name": ..., "parameters": {...}}` objects ("arguments" also taken, not both) separated by `;`, opened
+    by `<|python_tag|>` or starting the answer (whitespace aside). The text before the tag is text; an object
+    that is no call, and whatever follows the objects, stay in the text as written. A call is reported as
+    soon as its object is closed; an object still open is held back until it closes or the output ends."""
+
+    name = "llama3_json"
+    TAG: ClassVar[str] = "<|python_tag|>"
+    MARKERS = (TAG,)
+
+    def split(self, content: str, final: bool) -> ToolCallSplit:
+        lead = skip_space(content, 0)
+        if content.startswith("{", lead):
+            start = pos = 0
+        else:
+            start = content.find(self.TAG)
+            if start == -1:
+                if not final and lead == len(content):
+                    return ToolCallSplit("", [])  # only whitespace yet: the answer may still open with a call
+                return ToolCallSplit(content if final else hold_back(content, self.TAG), [])
+            pos = start + len(self.TAG)
+        text, calls = [content[:start]], []
+        pending = start  # text not placed yet: the tag, whitespace and `;` before the next object
+        while True:
+            at = skip_space(content, pos)
+            parsed = json_at(content, at) if content.startswith("{", at) else None
+            if parsed is None:
+                if at < len(content) and not content.startswith("{", at):  # not an object: text from here on
+                    text.append(content[pending:])
+                elif final:  # nothing more, or an object left open or malformed
+                    rest = content[pending:]
+                    text.append("" if calls and rest.strip() in ("", ";") else rest)
+                break  # else wait for more
+            obj, end = parsed
+            call = call_of(obj, ("parameters", "arguments"), required=True)
+            if call is None:
+                text.append(content[pending:end])
+            else:
+                calls.append(call)
+            pending = pos = end
+            after = skip_space(content, end)
+            if after == len(content):
+                if final and call is None:
+                    text.append(content[pending:])
+                break
+            if content[after] != ";":
+                text.append(content[pending:])
+                break
+            pos = after + 1
+        return ToolCallSplit("".join(text), calls)
+
+
+class MistralToolParser(ToolParser):
+    """Mistral-7B-Instruct-v0.3 (vLLM's `mistral`): `[TOOL_CALLS]` followed by a JSON array of
+    `{"name": ..., "arguments": {...}}` objects; text before it (and after it) is text, and a marker not
+    followed by such an array stays in the text as written. The array's calls are reported once it is
+    closed. Call ids are 9 letters and digits: Mistral's template refuses any other id sent back to it."""
+
+    name = "mistral"
+    START = "[TOOL_CALLS]"
+    MARKERS = (START,)
+
+    def new_call_id(self) -> str:
+        return uuid.uuid4().hex[:9]
+
+    def split(self, content: str, final: bool) -> ToolCallSplit:
+        text: list[str] = []
+        calls: list[ParsedCall] = []
+        pos = 0
+        while True:
+            start = content.find(self.START, pos)
+            if start == -1:
+                tail = content[pos:]
+                text.append(tail if final else hold_back(tail, self.START))
+                break
+            text.append(content[pos:start])
+            at = skip_space(content, start + len(self.START))
+            parsed = json_at(content, at) if content.startswith("[", at) else None
+            if parsed is None and not final and (at == len(content) or content.startswith("[", at)):
+                break  # the array may still come or close
+            items, end = parsed if parsed is not None else (None, at)
+            found = [call_of(item, required=True) for item in items] if isinstance(items, list) else []
+            if not found or None in found:  # not an array of calls: the marker (and array) stay text
+                text.append(content[start:end])
+                pos = end
+                continue
+            calls += found
+            pos = skip_space(content, end)
+        return ToolCallSplit("".join(text), calls)
+
+
 PARSERS: dict[str, type[ToolParser]] = {
-    **{cls.name: cls for cls in (ErnieX1ToolParser, HermesToolParser, Ernie45VLThinkingToolParser)},
+    **{cls.name: cls for cls in (ErnieX1ToolParser, HermesToolParser, Ernie45VLThinkingToolParser,
+                                 Llama3JsonToolParser, MistralToolParser)},
     "ernie_45-vl-thinking": Ernie45VLThinkingToolParser,  # FastDeploy's registered spelling
 }
 
