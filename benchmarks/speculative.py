@@ -9,10 +9,15 @@ Workloads, all greedy with a fixed number of output tokens (no EOS):
   copy   prompts whose answer repeats their context: a passage of real prose (paragraphs of this repository's
          docs/*.md) followed by its first words again, so a model that continues the text copies it
   fresh  random token ids: nothing in the context to copy (what speculation costs when it cannot help)
+`--llama-bin DIR --gguf FILE` also runs llama.cpp on the copy workload at one stream, the same model and format in
+GGUF: `llama-bench` (plain decode) and `llama-lookup` (its prompt-lookup speculation, k drafts), decode tok/s
+against ours measured the same way (after the first token).
 `--random SHAPE --layers N` writes (once, into benchmarks/.cache) a random checkpoint of that shape cut to N layers,
 with an MTP layer (tools/random_checkpoint.py). Each (workload, streams) pair runs plain and with
 speculative_config alternately, --repeats times each, on one LLM per setting; the best of each is reported with the
-ratio and the accepted share of the drafts. Prints the kernels' ISA: compare figures only between runs on the same
+ratio and the accepted share of the drafts (one stream: decode tok/s after the first token; more: output tok/s).
+`--speculative-config JSON` replaces the config built from --method and --num-speculative-tokens (e.g. MTP with
+"mtp_strategy": "with_ngram"). Prints the kernels' ISA: compare figures only between runs on the same
 kind of machine.
 """
 from __future__ import annotations
@@ -20,8 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +64,33 @@ def prompts(workload: str, n: int, seed: int, vocab: int) -> list[dict | str]:
     return [{"prompt_token_ids": rng.integers(3, vocab, size=128).tolist()} for _ in range(n)]
 
 
+def llama_cpp(bin_dir: Path, gguf: Path, prompt: str, max_tokens: int, k: int, repeats: int) -> dict[str, float]:
+    """llama.cpp's one-stream decode tok/s on `prompt`: plain (llama-bench's tg) and with llama-lookup, best of
+    `repeats`, and llama-lookup's drafted and accepted counts."""
+    threads = str(len(os.sched_getaffinity(0)))
+    best = {"llama_plain": 0.0, "llama_lookup": 0.0, "llama_drafted": 0, "llama_accepted": 0}
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(prompt)
+        f.flush()
+        for _ in range(repeats):
+            out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(max_tokens),
+                                  "-t", threads, "-o", "json"], capture_output=True, text=True, check=True).stdout
+            best["llama_plain"] = max(best["llama_plain"], json.loads(out)[0]["avg_ts"])
+            out = subprocess.run([str(bin_dir / "llama-lookup"), "-m", str(gguf), "-f", f.name, "-n", str(max_tokens),
+                                  "--spec-draft-n-max", str(k), "--temp", "0", "--ignore-eos", "-t", threads],
+                                 capture_output=True, text=True, check=True).stderr
+            best["llama_lookup"] = max(best["llama_lookup"], float(re.search(r"speed:\s*([\d.]+) t/s", out)[1]))
+            best["llama_drafted"] = int(re.search(r"n_drafted\s*=\s*(\d+)", out)[1])
+            best["llama_accepted"] = int(re.search(r"n_accept\s*=\s*(\d+)", out)[1])
+    return best
+
+
+def decode_rate(outputs: list) -> float:
+    """One stream's decode tok/s after its first token (what llama.cpp's figures count)."""
+    (o,) = outputs
+    return (len(o.outputs.token_ids) - 1) / (o.metrics.model_forward_time - o.metrics.first_token_time)
+
+
 def run(llm: LLM, batch: list, max_tokens: int) -> tuple[float, int, int]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -65,8 +100,8 @@ def run(llm: LLM, batch: list, max_tokens: int) -> tuple[float, int, int]:
     if failed:
         raise SystemExit(f"{len(failed)} requests failed: {failed[0]}")
     tokens = sum(len(o.outputs.token_ids) for o in outputs)
-    return tokens / seconds, sum(o.metrics.num_draft_tokens for o in outputs), \
-        sum(o.metrics.num_accepted_tokens for o in outputs)
+    rate = decode_rate(outputs) if len(outputs) == 1 else tokens / seconds
+    return rate, sum(o.metrics.num_draft_tokens for o in outputs), sum(o.metrics.num_accepted_tokens for o in outputs)
 
 
 def main() -> None:
@@ -82,10 +117,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--speculative-config", type=json.loads, help="the whole speculative_config, as JSON")
+    parser.add_argument("--llama-bin", type=Path, help="llama.cpp's build/bin (llama-bench, llama-lookup)")
+    parser.add_argument("--gguf", type=Path, help="with --llama-bin: the same model as GGUF")
     parser.add_argument("--json", type=Path, help="append the results here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    spec = args.speculative_config or {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    args.method, args.num_speculative_tokens = spec["method"], spec.get("num_speculative_tokens", 4)
     if args.random:
         args.model = str(ROOT / "benchmarks" / ".cache" / f"{args.random}-{args.layers}l-mtp")
         write_checkpoint(Path(args.model), SHAPES[args.random], args.layers, mtp=True)
@@ -116,12 +155,20 @@ def main() -> None:
             rows.append(dict(workload=workload, streams=n, plain=best["plain"], spec=best["spec"], method=args.method,
                              drafted=drafted, accepted=accepted, isa=rt["active_isa"], model=args.model,
                              quantization=args.quantization))
+            if args.llama_bin and workload == "copy" and n == 1:
+                rows[-1].update(llama_cpp(args.llama_bin, args.gguf, batch[0], args.max_tokens,
+                                          args.num_speculative_tokens, args.repeats))
     print(f"| workload | streams | plain tok/s | {args.method} tok/s | ratio | drafts accepted |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         share = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "no drafts"
         print(f"| {r['workload']} | {r['streams']} | {r['plain']:.1f} | {r['spec']:.1f} | "
               f"{r['spec'] / r['plain']:.2f}x | {share} |")
+    for r in rows:
+        if "llama_lookup" in r:
+            print(f"llama.cpp, copy, one stream: llama-bench tg {r['llama_plain']:.1f} tok/s, llama-lookup "
+                  f"{r['llama_lookup']:.1f} tok/s ({r['llama_accepted']}/{r['llama_drafted']} drafts accepted); "
+                  f"ours with {args.method}: {r['spec'] / max(r['llama_plain'], r['llama_lookup']):.2f}x llama.cpp's best")
     if args.json:
         with args.json.open("a") as f:
             f.write(json.dumps(rows) + "\n")
