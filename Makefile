@@ -10,7 +10,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	$(VENV)/bin/python -m pip install -q -e ".[test,ray]"
 	touch $(STAMP)
 
 demo: install

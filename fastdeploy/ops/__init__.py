@@ -7,7 +7,8 @@ from fastdeploy.ops.activation import quick_gelu, quick_gelu_reference, silu_and
 from fastdeploy.ops.attention import (bidirectional_attention, bidirectional_attention_reference, paged_attention,
                                       paged_attention_reference)
 from fastdeploy.ops.embedding import embedding_lookup, embedding_lookup_reference
-from fastdeploy.ops.build import library, runtime_info, set_isa, set_num_threads, share_cores
+from fastdeploy.ops.build import (core_budget, library, limit_cores, runtime_info, set_isa, set_num_threads,
+                                  share_cores)
 from fastdeploy.ops.linear import weight_only_linear, weight_only_linear_reference
 from fastdeploy.ops.memory import keep_freed_memory
 from fastdeploy.ops.moe import fused_moe, fused_moe_reference, grouped_expert_forward, select_experts
@@ -20,9 +21,9 @@ from fastdeploy.ops.rotary import (apply_rotary_, apply_rotary_reference, defaul
 
 __all__ = [
     "FORMATS", "PackedWeight", "apply_rotary_", "apply_rotary_reference", "bidirectional_attention",
-    "bidirectional_attention_reference", "default_inv_freq", "embedding_lookup",
+    "bidirectional_attention_reference", "core_budget", "default_inv_freq", "embedding_lookup",
     "embedding_lookup_reference", "empty_packed", "fused_moe", "fused_moe_reference", "grouped_expert_forward",
-    "keep_freed_memory", "library", "pack_into", "pack_into_reference", "pack_weight", "pack_weight_reference",
+    "keep_freed_memory", "library", "limit_cores", "pack_into", "pack_into_reference", "pack_weight", "pack_weight_reference",
     "paged_attention", "paged_attention_reference", "quick_gelu", "quick_gelu_reference", "rms_norm",
     "rms_norm_reference", "rotary_cos_sin",
     "rotary_embedding_", "runtime_info", "set_isa", "set_num_threads", "share_cores", "silu_and_mul", "silu_and_mul_reference",

@@ -277,7 +277,24 @@ def call_op(lib: OpsLibrary, name: str, *args: object) -> list[paddle.Tensor]:
         raise ValueError(str(exc).strip().splitlines()[0]) from None
 
 
+_core_budget: int | None = None  # limit_cores's; None: the CPUs the affinity mask allows
+
+
+def limit_cores(n: int | None) -> None:
+    """Make `n` cores this process's budget (a Ray actor's num_cpus), shared among the tensor-parallel ranks an
+    engine starts afterwards (they get it from rank 0); None: the CPUs its affinity mask allows."""
+    global _core_budget
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"cores must be an int >= 1 or None, got {n!r}")
+    _core_budget = n
+
+
+def core_budget() -> int:
+    """The cores this process's engine may use (limit_cores, else its affinity mask's CPUs)."""
+    return _core_budget if _core_budget is not None else len(os.sched_getaffinity(0))
+
+
 def share_cores(ranks: int) -> None:
-    """Give the compiled ops of this process its share of the cores when `ranks` processes run
+    """Give the compiled ops of this process its share of the core budget when `ranks` processes run
     side by side (tensor parallel); oversubscribed OpenMP threads stall each other."""
-    set_num_threads(0 if ranks == 1 else max(1, (os.cpu_count() or 1) // ranks))
+    set_num_threads(max(1, core_budget() // ranks))

@@ -48,11 +48,12 @@ def _exit_when_parent_goes() -> None:
 
 
 class Worker:
-    def __init__(self, sock: Any, rank: int, world_size: int, segment: int) -> None:
+    def __init__(self, sock: Any, rank: int, world_size: int, segment: int, cores: int) -> None:
         self.sock = sock
         self.rank = rank
         self.world_size = world_size
         self.segment = segment  # the collectives' shared memory, inherited from rank 0
+        self.cores = cores  # rank 0's core budget, which the ranks share
         self.config: Any = None  # the EngineConfig rank 0 sends
         self.model: Any = None
         self.kv_caches: list[Any] = []
@@ -66,6 +67,7 @@ class Worker:
         os.close(self.segment)
         comm.join()
         tp = TPGroup(self.rank, self.world_size, comm)
+        ops.limit_cores(self.cores)
         ops.share_cores(self.world_size)
         self.model = load_model(config.model_config, tp, config.quant, dtype=config.dtype,
                                 lm_head_fp32=config.lm_head_fp32,
@@ -129,7 +131,7 @@ def main() -> None:
     threading.Thread(target=_exit_when_parent_goes, name="parent-watch", daemon=True).start()
     sock = channel.connect(int(bootstrap["port"]))
     sock.sendall(bytes.fromhex(bootstrap["token"]) + HELLO.pack(rank))
-    worker = Worker(sock, rank, world_size, int(bootstrap["segment"]))
+    worker = Worker(sock, rank, world_size, int(bootstrap["segment"]), int(bootstrap["cores"]))
     try:
         worker.serve()
     except BaseException:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
+from fastdeploy import ops
 from fastdeploy.config import EngineConfig
 from fastdeploy.distributed import channel
 from fastdeploy.distributed.parallel_state import TPGroup
@@ -123,7 +124,7 @@ class WorkerGroup:
                                 stdout=subprocess.DEVNULL, start_new_session=True, pass_fds=(segment,))
         self.procs.append(proc)
         bootstrap = {"rank": rank, "world_size": self.size, "port": self.port, "token": token.hex(),
-                     "segment": segment}
+                     "segment": segment, "cores": ops.core_budget()}
         proc.stdin.write(json.dumps(bootstrap).encode() + b"\n")
         proc.stdin.flush()  # and keep it open: its end-of-file tells the worker that rank 0 is gone
 
