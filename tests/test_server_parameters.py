@@ -41,7 +41,7 @@ PARAMETERS_MD = [
     ("cache_queue_port", ["--cache-queue-port", "8003"], REFUSED, []),
     ("max_model_len", ["--max-model-len", "32"], HONOURED, 32),
     ("tensor_parallel_size", ["--tensor-parallel-size", "2"], HONOURED, 2),
-    ("data_parallel_size", ["--data-parallel-size", "2"], REFUSED, ["--data-parallel-size", "1"]),
+    ("data_parallel_size", ["--data-parallel-size", "2"], HONOURED, 2),  # the server's (data_parallel.py)
     ("block_size", ["--block-size", "32"], HONOURED, 32),
     ("max_num_seqs", ["--max-num-seqs", "4"], HONOURED, 4),
     ("mm_processor_kwargs", ["--model", VL, "--mm-processor-kwargs", '{"image_min_pixels": 3136, "video_fps": 2}'],

@@ -36,6 +36,7 @@ from fastdeploy.entrypoints.multimodal import prompts_for
 from fastdeploy.entrypoints.openai.cli_args import (MAX_REQUEST_BODY_BYTES, api_keys,
                                                     check_fastdeploy_server_flags, engine_config, make_parser,
                                                     media_policy, request_limits)
+from fastdeploy.entrypoints.openai.data_parallel import core_shares, serve as serve_replicas
 from fastdeploy.entrypoints.openai.engine_loop import EngineLoop
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -243,14 +244,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    replicas = args.data_parallel_size  # > 1: engines behind this process (data_parallel.py), each as below
+    if replicas < 1:
+        parser.error(f"--data-parallel-size must be >= 1, got {replicas}")
     try:
         check_fastdeploy_server_flags(args)
         keys = api_keys(args)
         config = engine_config(args)
         policy = media_policy(args)
         limits = request_limits(args)
+        if replicas > 1:
+            core_shares(replicas)
+            if args.metrics_port is not None:
+                raise ValueError("--metrics-port: with --data-parallel-size the engines' metrics are served on the "
+                                 "API port (/metrics)")
     except (ValueError, TypeError, NotImplementedError) as e:
         parser.error(str(e))
+    if replicas > 1:
+        serve_replicas(args, sys.argv[1:] if argv is None else argv, replicas)
+        return
     # A crash in native code then prints every thread's Python stack and the process dies of the signal.
     # Enabled after fastdeploy's import has taken Paddle's handlers down, so the one it chains to is the default.
     faulthandler.enable()

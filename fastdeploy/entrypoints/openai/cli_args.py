@@ -16,8 +16,9 @@ from fastdeploy.entrypoints.openai.serving import RequestLimits
 from fastdeploy.input.media import FETCH_TIMEOUT_S, MAX_FETCH_BYTES, MAX_IMAGE_PIXELS, MediaPolicy
 from fastdeploy.not_implemented_args import NOT_IMPLEMENTED, refuse_not_implemented
 
-# FastDeploy's LLM keywords `port` and `metrics_port` are this server's own --port / --metrics-port (honoured).
-SERVER_OWN = frozenset({"port", "metrics_port"})
+# FastDeploy's LLM keywords `port` and `metrics_port` are this server's own --port / --metrics-port (honoured), and
+# `data_parallel_size` its --data-parallel-size (engines behind the port, data_parallel.py).
+SERVER_OWN = frozenset({"port", "metrics_port", "data_parallel_size"})
 NOT_IMPLEMENTED_FLAGS = [name for name in NOT_IMPLEMENTED if name not in SERVER_OWN]
 # The server's media limit per prompt when --limit-mm-per-prompt is not given (offline LLM has none).
 SERVER_LIMIT_MM_PER_PROMPT = {"image": 16, "video": 2}
@@ -105,6 +106,9 @@ def make_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000, help="API port (default: %(default)s)")
     server.add_argument("--metrics-port", type=int, default=None,
                         help="serve /metrics on this port (default: on the API port)")
+    server.add_argument("--data-parallel-size", type=int, default=1,
+                        help="engines behind this port, each a process on its share of the cores, calls going to "
+                             "the least busy (default: %(default)s)")
     server.add_argument("--api-key", action="append", default=None,
                         help="accept only `Authorization: Bearer KEY` on /v1 (repeat for several keys)")
     server.add_argument("--api-key-file", action="append", default=None, metavar="FILE",
