@@ -84,6 +84,17 @@ def _alive(pid: int) -> bool:
         return f.read().split(") ")[1][0] != "Z"
 
 
+def test_engines_stop_when_the_front_is_killed(tiny_hf) -> None:
+    server = Server(tiny_hf, "--data-parallel-size", "2")
+    engines = _children(server.proc.pid)
+    server.proc.kill()
+    server.proc.wait()
+    deadline = time.monotonic() + 60
+    while any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in engines) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in engines)
+
+
 def test_engine_flags_leave_out_the_fronts_own() -> None:
     argv = ["--model", "m", "--port", "80", "--host=0.0.0.0", "--data-parallel-size", "2", "--api-key", "k"]
     assert engine_argv(argv, 1234) == ["--model", "m", "--api-key", "k", "--host", "127.0.0.1", "--port", "1234"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -42,6 +43,7 @@ logger = logging.getLogger("fastdeploy.data_parallel")
 
 STARTUP_TIMEOUT_S = 1800.0  # loading (and quantizing) a large checkpoint takes minutes
 _WATCH_S = 1.0
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 # Flags that are the front's own; the engines get their own host and port and no metrics port.
 _FRONT_FLAGS = ("--host", "--port", "--metrics-port", "--data-parallel-size")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "content-length", "host"}
@@ -89,7 +91,7 @@ class Engines:
             port = _free_port()
             self.urls.append(f"http://127.0.0.1:{port}")
             proc = subprocess.Popen([sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server",
-                                     *engine_argv(argv, port)], start_new_session=True)
+                                     *engine_argv(argv, port)], start_new_session=True, preexec_fn=_die_with_parent)
             os.sched_setaffinity(proc.pid, cores)  # long before it counts its cores (after its imports)
             self.procs.append(proc)
         logger.info("data parallel: %d engines (pids %s) on %s", k, [p.pid for p in self.procs], self.urls)
@@ -135,6 +137,12 @@ class Engines:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In an engine before it runs: SIGTERM when the front is gone, however it ended (Linux's parent-death
+    signal; the engine then drains and exits as on any SIGTERM)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _healthy(url: str) -> bool:
