@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/large_models.py --model ernie-4.5-21b-a3b --layers 4
     .venv/bin/python benchmarks/large_models.py --model qwen2-7b --formats bf16,wint8,wint4
     .venv/bin/python benchmarks/large_models.py --model qwen3-30b-a3b --formats wint4
+    .venv/bin/python benchmarks/large_models.py --model llama-3.1-8b --formats bf16,wint8,wint4
     .venv/bin/python benchmarks/large_models.py --model ernie-4.5-21b-a3b --formats wint4 --workloads decode
     .venv/bin/python benchmarks/large_models.py --model ernie-4.5-21b-a3b --layers 4 --isa avx2   # AVX2 kernels
     ... --json results.json

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -161,3 +162,18 @@ def test_tie_word_embeddings_defaults_to_false(tmp_path: Path) -> None:
         target.mkdir()
         assert ModelConfig.from_pretrained(with_config(target, source, tie_word_embeddings=None)).tie_word_embeddings \
             is False
+
+
+def test_benchmark_shape_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
+    """tools/random_checkpoint.py's llama family (the llama-3.1-8b benchmark shape), shrunk: untied head and
+    Llama 3.1's rope scaling as its config.json has them; the loader takes all of its tensors."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from random_checkpoint import SHAPES, ModelShape, write_checkpoint
+    real = SHAPES["llama-3.1-8b"]
+    assert (real.hidden, real.layers, real.heads, real.kv_heads, real.head_dim, real.ffn, real.vocab) == (
+        4096, 32, 32, 8, 128, 14336, 128256)
+    shape = ModelShape("llama", vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=96)
+    write_checkpoint(tmp_path / "ckpt", shape, 2, progress=False)
+    model = load(tmp_path / "ckpt")
+    assert not model.lm_head.tied and len(model.model.layers) == 2
+    assert (model.config.rope_scaling, model.config.rope_theta) == (Llama3RopeScaling(8.0, 1.0, 4.0, 8192), 500000.0)

@@ -1,7 +1,7 @@
 """Random checkpoints of real model shapes, streamed to disk shard by shard (never held in memory).
 Used by benchmarks/large_models.py, and by tests with small shapes.
 
-Four shapes, HF (-PT) layout, bf16 (ERNIE's MoE router and its correction bias in float32, as transformers
+Five shapes, HF (-PT) layout, bf16 (ERNIE's MoE router and its correction bias in float32, as transformers
 keeps them):
   ernie-4.5-21b-a3b  vocab 103424, hidden 2560, 28 layers (layer 0 dense FFN 12288, then MoE: 64
                      experts, top-6, expert FFN 1536, 2 shared experts), 20 q / 4 kv heads x 128,
@@ -11,6 +11,9 @@ keeps them):
   qwen3-30b-a3b      vocab 151936, hidden 2048, 48 layers all MoE (128 experts, top-8, expert FFN 768,
                      norm_topk_prob, no shared experts; router [128, 2048] bf16 as the hub stores it), 32 q /
                      4 kv heads x 128 with q/k norms, untied LM head; 30.5 B parameters (3.3 B active)
+  llama-3.1-8b       vocab 128256, hidden 4096, 32 layers, 32 q / 8 kv heads x 128, FFN 14336, llama3 rope
+                     scaling (factor 8, low 1, high 4, original 8192, theta 500000), untied LM head; 8.0 B
+                     parameters
   ernie-4.5-vl-28b-a3b  the 21B-A3B text shape with a second (vision) expert set per MoE layer (64 experts,
                      FFN 512, its own router and correction-bias row), 3-D rotary (t/h/w = 20/22/22 of
                      64 frequencies), and the vision side: a 32-block ViT (width 1280, 16 heads, FFN
@@ -51,7 +54,7 @@ class VisionShape:
 
 @dataclass(frozen=True)
 class ModelShape:
-    family: str  # "ernie_moe", "ernie_vl", "qwen2" or "qwen3_moe"
+    family: str  # "ernie_moe", "ernie_vl", "qwen2", "qwen3_moe" or "llama"
     vocab: int
     hidden: int
     layers: int
@@ -78,6 +81,8 @@ SHAPES = {
     # Qwen/Qwen3-30B-A3B's config.json: intermediate_size 6144 is only for dense layers, which it has none of.
     "qwen3-30b-a3b": ModelShape("qwen3_moe", vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
                                 ffn=6144, experts=128, top_k=8, expert_ffn=768),
+    "llama-3.1-8b": ModelShape("llama", vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
+                               ffn=14336),
 }
 
 # (name, safetensors dtype, shape, fill) with fill "normal", "ones" or "small" (router bias)
@@ -92,7 +97,7 @@ def tensor_specs(s: ModelShape, layers: int, mtp: bool = False) -> list[Spec]:
     for i in range(layers):
         specs += _layer_specs(s, f"model.layers.{i}.", moe=i > 0 or s.family == "qwen3_moe")
     specs.append(("model.norm.weight", "BF16", (h,), "ones"))
-    if s.family in ("qwen2", "qwen3_moe"):  # untied LM heads
+    if s.family in ("qwen2", "qwen3_moe", "llama"):  # untied LM heads
         specs.append(("lm_head.weight", "BF16", (s.vocab, h), "normal"))
     if s.vision is not None:
         specs += _vision_specs(s.vision, h)
@@ -186,6 +191,12 @@ def config_for(s: ModelShape, layers: int) -> dict[str, object]:
                     use_sliding_window=False, sliding_window=None, attention_bias=False, num_experts=s.experts,
                     num_experts_per_tok=s.top_k, moe_intermediate_size=s.expert_ffn, norm_topk_prob=True,
                     decoder_sparse_step=1, mlp_only_layers=[])
+    if s.family == "llama":  # meta-llama/Llama-3.1-8B's config.json
+        return dict(BASE_CONFIG, **common, architectures=["LlamaForCausalLM"], model_type="llama",
+                    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
+                    mlp_bias=False, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 8192})
     return dict(BASE_CONFIG, **common, architectures=["Ernie4_5_MoeForCausalLM"], model_type="ernie4_5_moe",
                 rope_theta=500000.0, moe_num_experts=s.experts, moe_k=s.top_k,
                 moe_intermediate_size=s.expert_ffn, moe_num_shared_experts=s.shared_experts,
