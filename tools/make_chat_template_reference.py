@@ -40,6 +40,7 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_tokenizer_reference import CONVERSATIONS, CUSTOM_TEMPLATE, ErnieReferenceTokenizer  # noqa: E402
+from make_tool_calling_reference import SEARCH, WEATHER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -64,14 +65,6 @@ class _PinnedClock(datetime):
         return NOW
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city (°C) — <b>& \"quotes\"</b>",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "description": "城市名"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}}
-SEARCH = {"type": "function", "function": {
-    "name": "search", "description": "Search the web",
-    "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "top_k": {"type": "integer"}}}}}
 # Mistral's template wants call ids of 9 letters and digits.
 CALL_OBJ = {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather",
                                                                  "arguments": {"city": "巴黎", "unit": "celsius"}}}

@@ -69,6 +69,7 @@ def rotary_embedding_(positions: paddle.Tensor, q: paddle.Tensor, k: paddle.Tens
                       ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """Rotates q and k in place for `positions` [T] by the inverse frequencies `inv_freq` [D/2]."""
     if int(inv_freq.shape[0]) * 2 != q.shape[-1]:
-        raise ValueError(f"inv_freq has {inv_freq.shape[0]} frequencies; head_dim {q.shape[-1]} needs half of it")
+        raise ValueError(f"inv_freq has {inv_freq.shape[0]} frequencies; head_dim {q.shape[-1]} needs "
+                         f"{q.shape[-1] // 2}")
     cos, sin = rotary_cos_sin(positions, inv_freq)
     return apply_rotary_(q, k, cos, sin, interleaved, use_compiled=use_compiled)

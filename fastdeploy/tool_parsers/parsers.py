@@ -120,24 +120,29 @@ class ToolParser(ABC):
                 text.append(tail if final else hold_back(tail, self.START))
                 break
             text.append(content[pos:start])
-            body_start = start + len(self.START)
-            end = content.find(self.END, body_start)
-            if end == -1:  # an unclosed block: wait for it, or at the end decide what it was
-                call = parse_call(content[body_start:]) if final and self.accept_unclosed else None
-                if call is not None:
-                    calls.append(call)
-                elif final:
-                    text.append(content[start:])
-                break
-            pos = end + len(self.END)
-            call = parse_call(content[body_start:end])
-            if call is None:
-                text.append(content[start:pos])
-                continue
-            calls.append(call)
-            while pos < len(content) and content[pos].isspace():
-                pos += 1
+            block = self.block(content, start + len(self.START), final)
+            if block is None:
+                break  # the block may still be completed: held back
+            found, end = block
+            if found:  # the block and the whitespace after it leave the text
+                calls += found
+                pos = skip_space(content, end)
+            else:  # no call: it stays in the text as written
+                text.append(content[start:end])
+                pos = end
         return ToolCallSplit("".join(text), calls)
+
+    def block(self, content: str, body: int, final: bool) -> tuple[list[ParsedCall], int] | None:
+        """The calls of the block whose marker ends at `body` ([]: none, the block is text) and where it ends;
+        None while it may still be completed. Here a `<tool_call>{json}</tool_call>` block."""
+        end = content.find(self.END, body)
+        if end == -1:  # an unclosed block: wait for it, or at the end decide what it was
+            if not final:
+                return None
+            call = parse_call(content[body:]) if self.accept_unclosed else None
+            return [call] if call is not None else [], len(content)
+        call = parse_call(content[body:end])
+        return [call] if call is not None else [], end + len(self.END)
 
 
 class ErnieX1ToolParser(ToolParser):
@@ -243,30 +248,16 @@ class MistralToolParser(ToolParser):
     def new_call_id(self) -> str:
         return uuid.uuid4().hex[:9]
 
-    def split(self, content: str, final: bool) -> ToolCallSplit:
-        text: list[str] = []
-        calls: list[ParsedCall] = []
-        pos = 0
-        while True:
-            start = content.find(self.START, pos)
-            if start == -1:
-                tail = content[pos:]
-                text.append(tail if final else hold_back(tail, self.START))
-                break
-            text.append(content[pos:start])
-            at = skip_space(content, start + len(self.START))
-            parsed = json_at(content, at) if content.startswith("[", at) else None
-            if parsed is None and not final and (at == len(content) or content.startswith("[", at)):
-                break  # the array may still come or close
-            items, end = parsed if parsed is not None else (None, at)
-            found = [call_of(item, required=True) for item in items] if isinstance(items, list) else []
-            if not found or None in found:  # not an array of calls: the marker (and array) stay text
-                text.append(content[start:end])
-                pos = end
-                continue
-            calls += found
-            pos = skip_space(content, end)
-        return ToolCallSplit("".join(text), calls)
+    def block(self, content: str, body: int, final: bool) -> tuple[list[ParsedCall], int] | None:
+        at = skip_space(content, body)
+        parsed = json_at(content, at) if content.startswith("[", at) else None
+        if parsed is None:
+            if not final and (at == len(content) or content.startswith("[", at)):
+                return None  # the array may still come or close
+            return [], at
+        items, end = parsed
+        found = [call_of(item, required=True) for item in items] if isinstance(items, list) else []
+        return ([] if None in found else found), end  # not an array of calls: the marker and array stay text
 
 
 PARSERS: dict[str, type[ToolParser]] = {

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -44,8 +45,8 @@ logger = logging.getLogger("fastdeploy.data_parallel")
 STARTUP_TIMEOUT_S = 1800.0  # loading (and quantizing) a large checkpoint takes minutes
 _WATCH_S = 1.0
 _PR_SET_PDEATHSIG = 1  # prctl(2)
-# Flags that are the front's own; the engines get their own host and port and no metrics port.
-_FRONT_FLAGS = ("--host", "--port", "--metrics-port", "--data-parallel-size")
+# Flags that are the front's own; the engines get their own host and port (--metrics-port is refused with K > 1).
+_FRONT_FLAGS = ("--host", "--port", "--data-parallel-size")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "content-length", "host"}
 
 
@@ -114,7 +115,7 @@ class Engines:
         self.in_flight[rank] += 1
         return rank
 
-    def watch(self, on_death: Any) -> None:
+    def watch(self, on_death: Callable[[], None]) -> None:
         """Until an engine exits (then `on_death()`), on a daemon thread."""
         while self.failed is None and not self.stopping:
             for rank, proc in enumerate(self.procs):
@@ -153,8 +154,14 @@ def _healthy(url: str) -> bool:
 
 
 def build_front(engines: Engines, max_body_bytes: int) -> FastAPI:
-    app = FastAPI(title="fastdeploy (data parallel)")
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="fastdeploy (data parallel)", lifespan=lifespan)
 
     @app.get("/health")
     async def health() -> Response:
@@ -191,10 +198,6 @@ def build_front(engines: Engines, max_body_bytes: int) -> FastAPI:
         return StreamingResponse(call.body(), status_code=call.answer.status_code,
                                  background=BackgroundTask(call.release),
                                  headers={k: v for k, v in call.answer.headers.items() if k.lower() not in _HOP_BY_HOP})
-
-    @app.on_event("shutdown")
-    async def close_client() -> None:
-        await client.aclose()
 
     return app
 
