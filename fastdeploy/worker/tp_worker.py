@@ -70,8 +70,7 @@ class Worker:
         ops.limit_cores(self.cores)
         ops.share_cores(self.world_size)
         self.model = load_model(config.model_config, tp, config.quant, dtype=config.dtype,
-                                lm_head_fp32=config.lm_head_fp32,
-                                mtp_weights=config.mtp_weights)
+                                lm_head_fp32=config.lm_head_fp32, mtp_weights=config.mtp_weights)
         ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
         self.block_size = config.block_size
         self.config = config
