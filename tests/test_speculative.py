@@ -261,10 +261,14 @@ def test_reasoning_limits_with_drafts(monkeypatch) -> None:
     assert sum(o.metrics.num_accepted_tokens for o in got) > 10
 
 
-def test_ngram_drafts_on_the_demo_model_are_accepted_and_change_nothing() -> None:
+def test_ngram_drafts_on_the_demo_model_are_accepted_and_change_nothing(monkeypatch) -> None:
     """The real drafter on the bundled model: its Python-documentation prose repeats itself enough for
-    prompt lookup to be right often; greedy and seeded outputs are the same as without."""
+    prompt lookup to be right often; greedy and seeded outputs are the same as without. Every request drafts
+    all it finds: how many drafts pay follows measured step times (test_draft_length_... checks that rule), which
+    would make the count below depend on the machine's load."""
     from pathlib import Path
+
+    monkeypatch.setattr(Drafter, "length", lambda drafter, threshold: drafter.k)
 
     demo = str(Path(__file__).parents[1] / "models" / "ernie-4.5-demo")
     prompts = ["The list type is a mutable sequence type. The list type", "class C:\n    def __init__(self, value):\n"]
@@ -273,7 +277,7 @@ def test_ngram_drafts_on_the_demo_model_are_accepted_and_change_nothing() -> Non
     got = LLM(model=demo, max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 4}
               ).generate(prompts * 2, params * 2, use_tqdm=False)
     assert [o.outputs.token_ids for o in got] == [o.outputs.token_ids for o in expected]
-    assert sum(o.metrics.num_accepted_tokens for o in got) > 10
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 10, sum(o.metrics.num_accepted_tokens for o in got)
 
 
 def test_draft_length_follows_acceptance_and_the_steps_cost() -> None:
