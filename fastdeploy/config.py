@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastdeploy.distributed.launch import Launch
 from fastdeploy.distributed.parallel_state import check_tp_size
 from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.model_resolve import DEFAULT_REVISION, resolve_model
@@ -88,7 +89,9 @@ class EngineConfig:
         DEFAULT_REVISION, "branch, tag or commit hash of a repo-id model in the hub cache (master: the default)")
     tokenizer: str | None = param(None, "tokenizer directory (default: the model's)")
     max_model_len: int = param(2048, "prompt + output tokens per request")
-    tensor_parallel_size: int = param(1, "ranks the model is split across (this process and N-1 workers)")
+    tensor_parallel_size: int = param(
+        1, "ranks the model is split across: this process and N-1 workers it starts, or under "
+           "paddle.distributed.launch the N processes it started, on one or several hosts (docs/distributed.md)")
     block_size: int = param(64, "tokens per KV-cache block")
     max_num_seqs: int = param(8, "requests running at once (1..256); the rest wait")
     gpu_memory_utilization: float = param(0.9, "share of host memory for weights, activations and KV cache")
@@ -142,7 +145,11 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = param(
         None, 'speculative decoding, JSON like {"method": "ngram", "num_speculative_tokens": 4, "max_ngram_size": 5, '
               '"min_ngram_size": 2} or {"method": "mtp", "num_speculative_tokens": 1} (docs/speculative_decoding.md)')
+    ips: str | list[str] | None = param(
+        None, "the nodes' addresses, comma-separated, master first (FastDeploy's multi-node form): checked against "
+              "those paddle.distributed.launch --ips started this process on", cli_type=str)
     model_config: ModelConfig = field(init=False, repr=False)
+    launch: Launch | None = field(init=False)  # this process's place among the launcher's ranks, if it started it
     quant: QuantConfig = field(init=False)  # `quantization`, parsed
     speculative: SpeculativeConfig | None = field(init=False)  # `speculative_config`, parsed
 
@@ -177,6 +184,7 @@ class EngineConfig:
                              f"max_model_len <= {window}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_tp_size(self.tensor_parallel_size, self.model_config)
+        self._check_launch()
         _check_int("block_size", self.block_size, 1, 4096)
         _check_int("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS_LIMIT)
         _check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
@@ -229,6 +237,27 @@ class EngineConfig:
                 raise ValueError(f"speculative_config method 'mtp': {where} has no MTP tensors "
                                  "(mtp_linear_proj.0, mtp_block.0, ...; ERNIE-4.5's -Paddle and -PT checkpoints ship "
                                  "them); use 'ngram'")
+
+    def _check_launch(self) -> None:
+        """Under paddle.distributed.launch the launched processes are the ranks: as many as tensor_parallel_size."""
+        self.launch = Launch.from_environ()
+        if self.launch is not None and self.launch.world_size != self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}, but paddle.distributed.launch started "
+                             f"{self.launch.world_size} processes (--nnodes x --nproc_per_node); they are the ranks "
+                             "of one model: make the two equal")
+        if self.ips is None:
+            return
+        ips = self.ips.split(",") if isinstance(self.ips, str) else self.ips
+        if not isinstance(ips, list) or not ips or not all(isinstance(ip, str) and ip.strip() for ip in ips):
+            raise ValueError(f"ips must be comma-separated node addresses, got {self.ips!r}")
+        ips = [ip.strip() for ip in ips]
+        if self.launch is None:
+            raise NotImplementedError(f"ips={','.join(ips)}: run this on every node under `python -m "
+                                      f"paddle.distributed.launch --ips {','.join(ips)} --host <that node's address> "
+                                      "--nproc_per_node M`, which starts the ranks (docs/distributed.md)")
+        if self.launch.nodes != ips:
+            raise ValueError(f"ips={','.join(ips)} but paddle.distributed.launch placed the ranks on "
+                             f"{','.join(self.launch.nodes)}; give both the same nodes in the same order")
 
     def _check_batched_tokens(self) -> None:
         if self.max_num_batched_tokens is None:

@@ -25,7 +25,7 @@ NOT_IMPLEMENTED: dict[str, Any] = {
     "swap_space": None, "cache_queue_port": None, "kvcache_storage_backend": None, "write_policy": "write_through",
     "enable_output_caching": True, "prealloc_dec_block_slot_num_threshold": 12, "static_decode_blocks": 2,
     # parallelism and communication kernels
-    "ips": None, "data_parallel_size": 1, "local_data_parallel_id": 0, "enable_expert_parallel": False,
+    "data_parallel_size": 1, "local_data_parallel_id": 0, "enable_expert_parallel": False,
     "enable_chunked_moe": False, "chunked_moe_size": 256, "disable_custom_all_reduce": False,
     "enable_flashinfer_allreduce_fusion": False, "use_internode_ll_two_stage": False,
     "disable_sequence_parallel_moe": False, "shutdown_comm_group_if_worker_idle": None, "enable_eplb": False,

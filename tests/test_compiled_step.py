@@ -22,7 +22,7 @@ from fastdeploy.sampling.sampler import Sampler
 from fastdeploy.step_types import ForwardBatch, SamplingBatch
 from fastdeploy.model_executor.models.compiled_description import unsupported_reason
 from fastdeploy.worker.compiled_step import CompiledDecoder
-from fastdeploy.worker.model_runner import run_step
+from fastdeploy.worker.forward import run_step
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 BLOCK = 16

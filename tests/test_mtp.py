@@ -22,7 +22,7 @@ from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_
 from fastdeploy.model_executor.models.ernie4_5_mtp import mtp_forward
 from fastdeploy.speculative import MtpDrafter
 from fastdeploy.step_types import ForwardBatch
-from fastdeploy.worker.model_runner import forward_hidden
+from fastdeploy.worker.forward import forward_hidden
 from tests.conftest import FIXTURES
 
 MODELS = FIXTURES / "models"

@@ -30,7 +30,7 @@ from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.weight_format import named_weights
 from fastdeploy.ops import build
 from fastdeploy.step_types import ForwardBatch
-from fastdeploy.worker.model_runner import run_step
+from fastdeploy.worker.forward import run_step
 from shape_models import FAMILIES, Numerics, SweepShape, reference_logits, unpacked_weights, write_model
 from test_api_server import Server
 from test_compiled_step import BLOCK, assert_same_bits, random_steps, schedule

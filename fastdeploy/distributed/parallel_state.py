@@ -3,7 +3,7 @@
 Layers read `current_tp()` while they are constructed (inside `building_for(tp)`) and keep that
 group, so two models with different tensor-parallel sizes can live in one process. With one rank
 every collective is the identity and the layers are exactly the single-process ones. The ranks of one
-host exchange tensors through shared memory (shm_comm.py).
+host exchange tensors through shared memory (shm_comm.py), ranks on several hosts through gloo (gloo_comm.py).
 """
 from __future__ import annotations
 
@@ -19,28 +19,32 @@ import paddle
 class TPGroup:
     rank: int = 0
     size: int = 1
-    comm: Any = None  # the ranks' ShmComm; None for a single rank
+    comm: Any = None  # the ranks' ShmComm (one host) or GlooComm (several); None for a single rank
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
-        """Sum of x over the ranks: all-gather + local sum, so every rank adds the same numbers in the
-        same order and all hold bitwise-identical results (MoE routing, which every rank computes on its
+        """Sum of x over the ranks, bitwise identical on every rank (MoE routing, computed by each rank on its
         own, relies on that)."""
         if self.size == 1:
             return x
-        return self.comm.gather(x).sum(axis=0)
+        return self.comm.all_reduce(x)
 
-    def all_gather(self, x: paddle.Tensor) -> paddle.Tensor:
-        """Every rank's x concatenated along the last axis."""
+    def gather_to_first(self, x: paddle.Tensor) -> paddle.Tensor:
+        """Rank 0: every rank's x side by side along the last axis. What other ranks get is unspecified (the LM
+        head's logits: only rank 0 samples, so across hosts only rank 0 receives them)."""
         if self.size == 1:
             return x
-        stacked = self.comm.gather(x)  # [size, *x.shape]
-        perm = list(range(1, x.ndim)) + [0, x.ndim]
-        return stacked.transpose(perm).reshape(list(x.shape[:-1]) + [self.size * x.shape[-1]])
+        return _along_last(self.comm.gather_to_first(x), x)
 
     def check_divides(self, count: int, what: str) -> None:
         """ValueError naming tensor_parallel_size unless it divides `count`."""
         if count % self.size:
             raise ValueError(f"tensor_parallel_size={self.size} must divide {what} ({count})")
+
+
+def _along_last(stacked: paddle.Tensor, x: paddle.Tensor) -> paddle.Tensor:
+    """[size, *x.shape] -> the parts side by side along x's last axis."""
+    perm = list(range(1, x.ndim)) + [0, x.ndim]
+    return stacked.transpose(perm).reshape(list(x.shape[:-1]) + [stacked.shape[0] * x.shape[-1]])
 
 
 SINGLE = TPGroup()

@@ -96,6 +96,12 @@ class ShmComm:
                 ctypes.memmove(dst + q * nbytes + start, buffer + q * SLOT_BYTES, n)
         return out
 
+    def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The ranks' sum: every rank adds the same parts in the same order, so all hold the same bits."""
+        return self.gather(x).sum(axis=0)
+
+    gather_to_first = gather  # every rank gets the parts; copying them out is cheap here
+
     def _line(self, rank: int) -> ctypes.Array:
         return (ctypes.c_int64 * _LINE).from_address(ctypes.addressof(self._header) + rank * _LINE * 8)
 

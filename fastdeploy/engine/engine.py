@@ -34,6 +34,7 @@ from fastdeploy.reasoning.parsers import get_reasoning_parser
 from fastdeploy.speculative import MtpDrafter, NgramDrafter
 from fastdeploy.step_types import ModelRunnerOutput
 from fastdeploy.tool_parsers.parsers import ToolParser, get_tool_parser
+from fastdeploy.worker.launched_group import serve_steps
 from fastdeploy.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ def _emitted_rows(step: ScheduledStep) -> set[int] | None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if config.launch is not None and config.launch.rank > 0:
+            serve_steps(config)  # never returns: this process serves rank 0's steps, then exits
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer, chat_template=config.chat_template)
         parser = get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None

@@ -19,24 +19,26 @@ logger = logging.getLogger(__name__)
 ACTIVATION_RESERVE = 0.1  # share of the memory budget kept for activations
 
 
-def kv_block_bytes(config: EngineConfig, tp_size: int) -> int:
-    """Bytes of one KV block over all ranks (they share this host's memory)."""
+def kv_block_bytes(config: EngineConfig, tp_size: int, ranks_here: int | None = None) -> int:
+    """Bytes of one KV block over the `ranks_here` ranks sharing this host's memory (default: all of them)."""
     mc = config.model_config
-    heads = kv_heads_per_rank(mc.num_key_value_heads, tp_size) * tp_size
+    heads = kv_heads_per_rank(mc.num_key_value_heads, tp_size) * (tp_size if ranks_here is None else ranks_here)
     return 2 * config.num_kv_layers * config.block_size * heads * row_bytes(mc.head_dim, config.kv_cache_dtype)
 
 
-def num_kv_blocks(config: EngineConfig, tp_size: int, worker_pids: Sequence[int] = ()) -> int:
+def num_kv_blocks(config: EngineConfig, tp_size: int, worker_pids: Sequence[int] = (), ranks_here: int | None = None
+                  ) -> int:
     """The pool's block count (num_gpu_blocks_override if set); ValueError naming gpu_memory_utilization when
-    not even one max_model_len request fits."""
+    not even one max_model_len request fits. `worker_pids`: the other ranks on this host, when this process
+    started them; else `ranks_here` ranks (a launcher's ranks of this node) each hold what this one does."""
     if config.num_gpu_blocks_override is not None:
         logger.info("total_block_num:%d (num_gpu_blocks_override)", config.num_gpu_blocks_override)
         return config.num_gpu_blocks_override
     share = host_memory_bytes() * config.gpu_memory_utilization
-    resident = resident_bytes() + sum(resident_bytes(pid) for pid in worker_pids)
+    resident = resident_bytes() * (ranks_here or 1) + sum(resident_bytes(pid) for pid in worker_pids)
     reserve = int(share * ACTIVATION_RESERVE)
     budget = min(int(share) - resident, available_memory_bytes()) - reserve
-    block = kv_block_bytes(config, tp_size)
+    block = kv_block_bytes(config, tp_size, ranks_here)
     by_memory = max(budget // block, 0)
     # More blocks than max_num_seqs full-length requests can use would only sit idle in RAM.
     num_blocks = int(min(by_memory, config.max_num_seqs * config.max_blocks_per_seq))

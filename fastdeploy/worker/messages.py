@@ -1,4 +1,6 @@
-"""The messages between rank 0 and its tensor-parallel workers (pickled over the step channel)."""
+"""The messages between rank 0 and its tensor-parallel workers: pickled over the step channel to the workers it
+started on this host; Step, MtpStep, Stop and Noop also broadcast, in step_codec.py's binary form, to ranks on
+other hosts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,6 +62,11 @@ class GetParameters:
 @dataclass(slots=True)
 class Stop:
     pass
+
+
+@dataclass(slots=True)
+class Noop:
+    """Nothing to do: rank 0 is idle (ranks on other hosts must hear from it within gloo's timeout)."""
 
 
 # Worker -> rank 0

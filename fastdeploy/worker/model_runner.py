@@ -12,97 +12,36 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import paddle
-from paddle import nn
 
 from fastdeploy import ops
 from fastdeploy.config import EngineConfig
 from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
-from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
+from fastdeploy.model_executor.forward_context import allocate_kv_caches
 from fastdeploy.model_executor.load import load_model
 from fastdeploy.sampling.policy import sample_in_forward, sampled_in_forward
 from fastdeploy.sampling.sampler import SamplingStage
-from fastdeploy.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput, VisionSlice
+from fastdeploy.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
+from fastdeploy.worker.forward import VisionCache, run_step, run_step_keeping, warmup_inputs
 from fastdeploy.worker.kv_plan import kv_block_bytes, num_kv_blocks
+from fastdeploy.worker.launched_group import LaunchedGroup
 from fastdeploy.worker.mtp_proposer import MtpLayer, MtpProposer
 from fastdeploy.worker.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
 
-@paddle.no_grad()
-def run_step(model: nn.Layer, inputs: ForwardBatch, block_size: int,
-             kv_caches: Sequence[paddle.Tensor], vision: VisionCache | None = None) -> paddle.Tensor | None:
-    """Forward the batch through the model (writing its K/V into the cache) and return the logits
-    [N, vocab] of `logit_rows` (None when no row needs them). A multimodal step also passes its token
-    types and the vision rows of its placeholders (encoded through `vision`)."""
-    return _logits(model, inputs, forward_hidden(model, inputs, block_size, kv_caches, vision))
-
-
-@paddle.no_grad()
-def forward_hidden(model: nn.Layer, inputs: ForwardBatch, block_size: int, kv_caches: Sequence[paddle.Tensor],
-                   vision: VisionCache | None = None) -> paddle.Tensor:
-    """run_step's forward: the final hidden states of every row [T, hidden]."""
-    ctx = build_forward_context(inputs.query_lens, inputs.context_lens, inputs.block_tables, block_size, kv_caches)
-    with forward_context(ctx):
-        if inputs.token_types is None:
-            return model(paddle.to_tensor(inputs.token_ids), paddle.to_tensor(inputs.positions))
-        rows = (vision or VisionCache()).rows(model, inputs.vision)
-        return model(paddle.to_tensor(inputs.token_ids), paddle.to_tensor(inputs.positions),
-                     paddle.to_tensor(inputs.token_types), rows)
-
-
-def _logits(model: nn.Layer, inputs: ForwardBatch, hidden: paddle.Tensor) -> paddle.Tensor | None:
-    if not len(inputs.logit_rows):
+def _start_workers(config: EngineConfig) -> WorkerGroup | LaunchedGroup | None:
+    """The other tensor-parallel ranks: those Paddle's launcher started (config.launch), or workers this process
+    starts on this host; None for one rank."""
+    if config.tensor_parallel_size == 1:
         return None
-    return model.compute_logits(paddle.gather(hidden, paddle.to_tensor(inputs.logit_rows)))
-
-
-def run_step_keeping(model: nn.Layer, inputs: ForwardBatch, block_size: int, kv_caches: Sequence[paddle.Tensor],
-                     vision: VisionCache | None = None) -> tuple[paddle.Tensor | None, np.ndarray]:
-    """run_step, and the final hidden states of the batch's hidden_rows (numpy) for the MTP layer."""
-    hidden = forward_hidden(model, inputs, block_size, kv_caches, vision)
-    kept = paddle.gather(hidden, paddle.to_tensor(inputs.hidden_rows)).numpy() if len(inputs.hidden_rows) else \
-        np.zeros((0, hidden.shape[-1]), np.float32)
-    return _logits(model, inputs, hidden), kept
-
-
-class VisionCache:
-    """Encoded vision rows per request, in prompt order: encoded at the first step that needs them, dropped
-    once the step using the last row has run. A request whose prefill skips a step (preempted, aborted, or
-    left without budget) is dropped too and re-encodes if it comes back: nothing outlives its request."""
-
-    def __init__(self) -> None:
-        self.encoded: dict[str, paddle.Tensor] = {}
-
-    def rows(self, model: nn.Layer, slices: Sequence[VisionSlice]) -> paddle.Tensor | None:
-        wanted = {item.key for item in slices}
-        self.encoded = {k: v for k, v in self.encoded.items() if k in wanted}
-        parts = []
-        for item in slices:
-            encoded = self.encoded.get(item.key)
-            if encoded is None:
-                raw = model.encode_vision(paddle.to_tensor(item.pixel_values), item.grid_thw)
-                encoded = paddle.gather(raw, paddle.to_tensor(item.row_order))
-                self.encoded[item.key] = encoded
-            if item.hi > item.lo:
-                parts.append(encoded[item.lo:item.hi])
-            if item.hi == item.row_order.size:
-                del self.encoded[item.key]
-        return paddle.concat(parts) if parts else None
-
-
-def warmup_inputs(num_tokens: int, block_size: int) -> ForwardBatch:
-    """One request of `num_tokens` zeros in the first blocks, with the last row's logits."""
-    blocks = np.arange(-(-num_tokens // block_size), dtype=np.int64)[None]
-    lens = np.asarray([num_tokens], np.int64)
-    return ForwardBatch(np.zeros(num_tokens, np.int64), np.arange(num_tokens, dtype=np.int64), lens, lens, blocks,
-                        lens - 1)
+    return LaunchedGroup(config) if config.launch is not None else WorkerGroup(config)
 
 
 class ModelRunner:
@@ -111,12 +50,13 @@ class ModelRunner:
         mc = config.model_config
         paddle.seed(config.seed)
         start = time.perf_counter()
-        # Tensor parallel: this process is rank 0; the workers load their shards while it loads its own.
-        self.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+        # Tensor parallel: this process is rank 0; the other ranks load their shards while it loads its own.
+        self.workers = _start_workers(config)
         self.compiled: CompiledDecoder | None = None  # set once the KV cache exists
         self.vision = VisionCache()
         self.tp = self.workers.tp if self.workers is not None else SINGLE
-        ops.share_cores(self.tp.size)
+        if self.workers is None or self.workers.ranks_here is None:
+            ops.share_cores(self.tp.size)
         if self.workers is not None:
             # Stops the workers when this runner is garbage-collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, self.workers.close)
@@ -124,12 +64,14 @@ class ModelRunner:
             self.model = load_model(mc, self.tp, config.quant, dtype=config.dtype,
                                     lm_head_fp32=config.lm_head_fp32, mtp_weights=config.mtp_weights)
             ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
-            self._ask_workers()  # loaded
+            if self.workers is not None:
+                self.workers.wait_loaded()
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
             self.sampling = SamplingStage(config.logprobs_mode)
-            self.num_blocks = num_kv_blocks(config, self.tp.size, self.worker_pids)
-            # All ranks hold the same blocks, each its own heads.
-            self._ask_workers(messages.AllocateKV(self.num_blocks))
+            ranks_here = self.workers.ranks_here if self.workers is not None else None
+            self.num_blocks = num_kv_blocks(config, self.tp.size, self.worker_pids, ranks_here)
+            if self.workers is not None:  # all ranks hold the same blocks, each its own heads
+                self.num_blocks = self.workers.allocate_kv(self.num_blocks)
         except BaseException:
             self.close()
             raise
@@ -147,14 +89,6 @@ class ModelRunner:
                                          self.config.max_model_len, mtp=True) if self.workers is None else None
         return MtpProposer(MtpLayer(self.model, self.kv_caches, self.config.block_size, compiled), self.workers)
 
-    def _ask_workers(self, message: object | None = None) -> list:
-        """Send `message` to every worker (if given) and wait for each one's reply."""
-        if self.workers is None:
-            return []
-        if message is not None:
-            self.workers.send_all(message)
-        return self.workers.receive_all()
-
     def close(self) -> None:
         """Stop the tensor-parallel workers now (otherwise that happens when the runner is collected)."""
         if self.workers is not None:
@@ -166,7 +100,7 @@ class ModelRunner:
 
     def worker_parameters(self) -> list[dict[str, np.ndarray]]:
         """Each worker rank's parameters (its shard of the model), in rank order; for inspection."""
-        return [reply.weights for reply in self._ask_workers(messages.GetParameters())]
+        return self.workers.parameters() if self.workers is not None else []
 
     @property
     def kv_block_bytes(self) -> int:
@@ -189,7 +123,8 @@ class ModelRunner:
         elif step.mtp is not None:  # every rank keeps its hidden states for the MTP layer's runs
             def forward() -> tuple[paddle.Tensor | None, np.ndarray]:
                 return run_step_keeping(self.model, step.forward, self.config.block_size, self.kv_caches, self.vision)
-            logits, hidden = forward() if self.workers is None else self.workers.run_step(step.forward, forward)
+            logits, hidden = forward() if self.workers is None else \
+                self.workers.run_step(messages.Step(step.forward), forward)
             output = self.sampling(step, logits, wait_for_masks)
         else:
             output = self.sampling(step, self._layer_forward(step.forward), wait_for_masks)
@@ -208,7 +143,7 @@ class ModelRunner:
         """The batch's logits layer by layer (run_step), on every tensor-parallel rank."""
         def forward() -> paddle.Tensor | None:
             return run_step(self.model, inputs, self.config.block_size, self.kv_caches, self.vision)
-        return forward() if self.workers is None else self.workers.run_step(inputs, forward)
+        return forward() if self.workers is None else self.workers.run_step(messages.Step(inputs), forward)
 
     def warmup(self) -> None:
         """One forward over a full budget of tokens so the first real step runs at speed."""

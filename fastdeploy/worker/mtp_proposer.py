@@ -123,9 +123,9 @@ class MtpProposer:
         return drafts, tops
 
     def _run(self, step: MtpLayerStep) -> paddle.Tensor | None:
-        if self.workers is not None:
-            self.workers.send_all(messages.MtpStep(step))
-        return self.layer.run(step)
+        if self.workers is None:
+            return self.layer.run(step)
+        return self.workers.run_step(messages.MtpStep(step), lambda: self.layer.run(step))
 
     @staticmethod
     def _top(row: np.ndarray, token: int, k: int) -> TopLogprobs:

@@ -84,28 +84,20 @@ class Worker:
                                             self.config.kv_cache_dtype)
 
     def serve(self) -> None:
-        from fastdeploy.worker.model_runner import VisionCache, run_step_keeping
-        from fastdeploy.worker.mtp_proposer import MtpLayer
-
-        vision = VisionCache()  # the vision tower is replicated: each rank encodes a request's media itself
-        mtp: MtpLayer | None = None  # the MTP layer's runs on this rank's shard (speculative_config "mtp")
+        steps: StepServer | None = None
         while True:
             try:
                 message = channel.recv(self.sock)
             except (channel.ChannelClosed, OSError):
                 return  # rank 0 closed the channel
-            if isinstance(message, messages.Step):
-                _, hidden = run_step_keeping(self.model, message.batch, self.block_size, self.kv_caches, vision)
-                if len(message.batch.hidden_rows):
-                    mtp = mtp or MtpLayer(self.model, self.kv_caches, self.block_size)
-                    mtp.main = hidden
-            elif isinstance(message, messages.MtpStep):
-                mtp.run(message.step)
+            if isinstance(message, (messages.Step, messages.MtpStep)):
+                steps.run(message)
             elif isinstance(message, messages.Init):
                 self.start(message.config)
                 channel.send(self.sock, messages.Ready())
             elif isinstance(message, messages.AllocateKV):
                 self.allocate(message.num_blocks)
+                steps = StepServer(self.model, self.kv_caches, self.block_size)
                 channel.send(self.sock, messages.Ready())
             elif isinstance(message, messages.GetParameters):
                 from fastdeploy.model_executor.weight_format import named_weights
@@ -115,6 +107,29 @@ class Worker:
                 return
             else:
                 raise ValueError(f"unknown message {message!r} from rank 0")
+
+
+class StepServer:
+    """A worker rank's part of each step: rank 0's forwards (Step) and MTP layer runs (MtpStep) on its shard."""
+
+    def __init__(self, model: Any, kv_caches: list[Any], block_size: int) -> None:
+        from fastdeploy.worker.forward import VisionCache
+
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.vision = VisionCache()  # the vision tower is replicated: each rank encodes a request's media itself
+        self.mtp: Any = None  # the MTP layer's runs on this rank's shard (speculative_config "mtp")
+
+    def run(self, message: messages.Step | messages.MtpStep) -> None:
+        from fastdeploy.worker.forward import run_step_keeping
+        from fastdeploy.worker.mtp_proposer import MtpLayer
+
+        if isinstance(message, messages.Step):
+            _, hidden = run_step_keeping(self.model, message.batch, self.block_size, self.kv_caches, self.vision)
+            if len(message.batch.hidden_rows):
+                self.mtp = self.mtp or MtpLayer(self.model, self.kv_caches, self.block_size)
+                self.mtp.main = hidden
+        else:
+            self.mtp.run(message.step)
 
 
 def main() -> None:

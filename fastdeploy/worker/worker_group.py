@@ -35,7 +35,6 @@ from fastdeploy.config import EngineConfig
 from fastdeploy.distributed import channel
 from fastdeploy.distributed.parallel_state import TPGroup
 from fastdeploy.distributed.shm_comm import ShmComm, create_segment
-from fastdeploy.step_types import ForwardBatch
 from fastdeploy.worker import messages
 
 logger = logging.getLogger(__name__)
@@ -88,6 +87,7 @@ class WorkerGroup:
 
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.tensor_parallel_size
+        self.ranks_here = None  # all ranks are on this host, and their pids are known
         self.procs: list[subprocess.Popen] = []
         self.socks: list[socket.socket] = []
         self.closed = False
@@ -179,12 +179,27 @@ class WorkerGroup:
             raise WorkerError(f"tensor-parallel {dead}; its error is printed above")
 
     # ---- after startup ------------------------------------------------------------------------
-    def run_step(self, inputs: ForwardBatch, forward: Callable[[], T]) -> T:
+    def wait_loaded(self) -> None:
+        """Until every worker has loaded its shard."""
+        self.receive_all()
+
+    def allocate_kv(self, num_blocks: int) -> int:
+        """Every worker allocates `num_blocks` KV blocks (rank 0 sized the pool for all of this host's ranks)."""
+        self.send_all(messages.AllocateKV(num_blocks))
+        self.receive_all()
+        return num_blocks
+
+    def parameters(self) -> list[dict]:
+        """Each worker's parameters (its shard of the model), in rank order."""
+        self.send_all(messages.GetParameters())
+        return [reply.weights for reply in self.receive_all()]
+
+    def run_step(self, message: messages.Step | messages.MtpStep, forward: Callable[[], T]) -> T:
         """Send the step to every worker and run rank 0's `forward` of it: every rank runs the same forward,
         whose collectives keep them in step. Ctrl-C waits until the step is done; a failure stops the workers
         (the others may be waiting in a collective that never comes)."""
         with deferred_sigint():
-            self.send_all(messages.Step(inputs))
+            self.send_all(message)
             try:
                 return forward()
             except BaseException as e:

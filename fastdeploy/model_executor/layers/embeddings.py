@@ -98,4 +98,4 @@ class LMHead(PackedMatmul, nn.Layer):
         logits = self.matmul(hidden)
         if self.tp.size == 1:
             return logits
-        return self.tp.all_gather(logits)[:, :self.vocab_size]
+        return self.tp.gather_to_first(logits)[:, :self.vocab_size]

@@ -1,0 +1,176 @@
+"""Tensor parallel over the processes Paddle's launcher started, on one or several hosts.
+
+Every node runs the same script (or server) under `python -m paddle.distributed.launch`; each process builds
+its EngineConfig from its own arguments and finds its rank in the launcher's variables (config.launch).
+Rank 0 keeps the engine and, through `LaunchedGroup`, broadcasts each step to the other ranks as a binary
+message (step_codec.py) over the gloo group (distributed/gloo_comm.py). The other ranks never return from
+building their engine: `serve_steps` loads their shard, runs every step rank 0 sends, and ends the process with
+status 0 when rank 0 stops (its LLM closed or its interpreter exiting), or 1 when the group breaks.
+
+Startup: every rank meets at rank 0's store and proves it has the same engine arguments and checkpoint; each
+loads its shard (which needs only its rank and size); all wait until every rank has loaded (LOAD_TIMEOUT_S),
+join the gloo group and take the smallest of the ranks' KV block counts (each sized from its own host's memory).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+from fastdeploy import ops
+from fastdeploy.config import EngineConfig
+from fastdeploy.distributed.gloo_comm import HEARTBEAT_S, LOAD_TIMEOUT_S, GlooComm, RankLost, Rendezvous
+from fastdeploy.distributed.parallel_state import TPGroup
+from fastdeploy.worker import messages, step_codec
+from fastdeploy.worker.worker_group import WorkerError, deferred_sigint
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def agreed_fields(config: EngineConfig) -> dict[str, str]:
+    """What every rank must share with rank 0: the checkpoint's config and what decides the shards and steps."""
+    checkpoint = json.dumps(config.model_config.hf_config, sort_keys=True, default=str)
+    return {"step message version": str(step_codec.VERSION),
+            "checkpoint config.json": hashlib.sha256(checkpoint.encode()).hexdigest()[:16],
+            "tensor_parallel_size": str(config.tensor_parallel_size), "quantization": repr(config.quant),
+            "dtype": str(config.dtype), "block_size": str(config.block_size),
+            "max_model_len": str(config.max_model_len), "lm_head_fp32": str(config.lm_head_fp32),
+            "speculative_config": json.dumps(config.speculative_config, sort_keys=True, default=str)}
+
+
+class _Member:
+    """This process's place in the launched group: the rendezvous, then the collectives once all have loaded."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        launch = self.launch = config.launch
+        self.rendezvous = Rendezvous(launch, agreed_fields(config))
+        ops.share_cores(launch.local_size)  # this host's cores, shared by its ranks
+        self.comm = GlooComm(launch.rank, launch.world_size)
+        self.tp = TPGroup(launch.rank, launch.world_size, self.comm)
+
+    def wait_loaded(self) -> None:
+        """Every rank has its shard: form the gloo group."""
+        self.rendezvous.barrier("loaded", LOAD_TIMEOUT_S)
+        self.comm.attach(self.rendezvous.process_group())
+
+
+class LaunchedGroup(_Member):
+    """Rank 0's side: the other ranks of the launch, reached through the gloo group. Same surface as WorkerGroup."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.size, self.ranks_here, self.pids = self.launch.world_size, self.launch.local_size, []
+        self.closed = False
+        self.owner_pid = os.getpid()
+        self._lock = threading.Lock()  # one message and its collectives at a time: steps, heartbeats, stop
+        self._last_sent = time.monotonic()
+        logger.info("tensor parallel: %d ranks on %d node(s) %s, master %s:%d", self.size, len(self.launch.nodes),
+                    self.launch.nodes, self.launch.master_host, self.launch.master_port)
+
+    def wait_loaded(self) -> None:
+        super().wait_loaded()
+        # Idle ranks wait for rank 0 in a broadcast, which gloo gives up after 30 s: keep them hearing from it.
+        threading.Thread(target=self._heartbeat, name="fastdeploy-tp-heartbeat", daemon=True).start()
+
+    def allocate_kv(self, num_blocks: int) -> int:
+        """The ranks' smallest block count (each sized its pool from its own host)."""
+        with self._lock:
+            return self._guard(lambda: self.comm.min_int(num_blocks))
+
+    def run_step(self, message: messages.Step | messages.MtpStep, forward: Callable[[], T]) -> T:
+        """Broadcast the step and run rank 0's forward of it, as WorkerGroup.run_step."""
+        with deferred_sigint(), self._lock:
+            return self._guard(lambda: (self._send(message), forward())[1])
+
+    def parameters(self) -> list:
+        raise NotImplementedError("the other ranks' parameters stay on their hosts; inspect them there")
+
+    def _send(self, message: object) -> None:
+        if self.closed:
+            raise WorkerError("the tensor-parallel group was stopped after an earlier error; create a new LLM")
+        self.comm.send(step_codec.encode(message))
+        self._last_sent = time.monotonic()
+
+    def _guard(self, work: Callable[[], T]) -> T:
+        try:
+            return work()
+        except RankLost as e:
+            self.closed = True  # the group is broken: nothing more can go through it
+            raise WorkerError(f"{e}; the other ranks' logs say why. Create a new LLM once every node runs again") \
+                from e
+
+    def _heartbeat(self) -> None:
+        while not self.closed:
+            time.sleep(HEARTBEAT_S / 5)
+            with self._lock:
+                if self.closed or time.monotonic() - self._last_sent < HEARTBEAT_S:
+                    continue
+                try:
+                    self._send(messages.Noop())
+                except RankLost:
+                    self.closed = True  # the next step reports it
+                    return
+
+    def close(self, kill: bool = False) -> None:
+        """Tell the other ranks to exit (status 0), or, before the group formed, why they should stop waiting.
+        Idempotent; only the creating process acts."""
+        if self.closed or os.getpid() != self.owner_pid:
+            return
+        with self._lock:
+            self.closed = True
+            try:
+                if self.comm.attached:
+                    self.comm.send(step_codec.encode(messages.Stop()))
+                else:
+                    self.rendezvous.announce_failure("rank 0 stopped before every rank had loaded")
+            except (RankLost, RuntimeError) as e:
+                logger.warning("could not tell the other tensor-parallel ranks to stop: %s", e)
+
+
+def serve_steps(config: EngineConfig) -> NoReturn:
+    """Ranks > 0: load this rank's shard, run every step rank 0 broadcasts, then end the process (status 0 when
+    rank 0 stopped us, 1 on an error, which rank 0 reports too)."""
+    from fastdeploy.distributed.parallel_state import kv_heads_per_rank
+    from fastdeploy.model_executor.forward_context import allocate_kv_caches
+    from fastdeploy.model_executor.load import load_model
+    from fastdeploy.worker.kv_plan import num_kv_blocks
+    from fastdeploy.worker.tp_worker import StepServer
+
+    launch, status = config.launch, 1
+    try:
+        member = _Member(config)
+        try:
+            model = load_model(config.model_config, member.tp, config.quant, dtype=config.dtype,
+                               lm_head_fp32=config.lm_head_fp32, mtp_weights=config.mtp_weights)
+        except BaseException as e:
+            member.rendezvous.announce_failure(f"loading failed: {type(e).__name__}: {e}")
+            raise
+        ops.keep_freed_memory()
+        member.wait_loaded()
+        mc, tp = config.model_config, member.tp
+        blocks = member.comm.min_int(num_kv_blocks(config, tp.size, ranks_here=launch.local_size))
+        caches = allocate_kv_caches(config.num_kv_layers, blocks, config.block_size,
+                                    kv_heads_per_rank(mc.num_key_value_heads, tp.size), mc.head_dim,
+                                    config.kv_cache_dtype)
+        logger.info("tensor-parallel rank %d of %d serves rank 0's steps (%d KV blocks)", launch.rank, tp.size, blocks)
+        steps = StepServer(model, caches, config.block_size)
+        while True:
+            message = step_codec.decode(member.comm.receive())
+            if isinstance(message, messages.Stop):
+                status = 0
+                break
+            if not isinstance(message, messages.Noop):
+                steps.run(message)
+    except BaseException:
+        logger.error("tensor-parallel rank %d stops after an error:\n%s", launch.rank, traceback.format_exc())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # skip the interpreter's teardown of paddle, and the rest of the user's script
