@@ -46,6 +46,11 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def _check_master(self) -> bool:
+        """FastDeploy's multi-node guard, always True here: under paddle.distributed.launch only rank 0's LLM(...)
+        returns (the other ranks serve its steps and exit), so the code after it runs on rank 0 alone."""
+        return True
+
     # ---- public API -----------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, stream: bool = False

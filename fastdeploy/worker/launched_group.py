@@ -26,7 +26,8 @@ from typing import NoReturn, TypeVar
 
 from fastdeploy import ops
 from fastdeploy.config import EngineConfig
-from fastdeploy.distributed.gloo_comm import HEARTBEAT_S, LOAD_TIMEOUT_S, GlooComm, RankLost, Rendezvous
+from fastdeploy.distributed.gloo_comm import (GLOO_TIMEOUT_S, HEARTBEAT_S, LOAD_TIMEOUT_S, GlooComm, RankLost,
+                                              Rendezvous)
 from fastdeploy.distributed.parallel_state import TPGroup
 from fastdeploy.worker import messages, step_codec
 from fastdeploy.worker.worker_group import WorkerError, deferred_sigint
@@ -135,6 +136,34 @@ class LaunchedGroup(_Member):
                 logger.warning("could not tell the other tensor-parallel ranks to stop: %s", e)
 
 
+class _Silence:
+    """Ends a rank > 0 whose wait for rank 0's next message outlasts the bound. Rank 0 sends at least a heartbeat
+    every HEARTBEAT_S, and gloo gives up on a silent but connected rank 0 after its timeout; but a wait whose peer
+    was killed can outlive that (the connection's reset does not reach a pending receive), so a thread watches."""
+
+    BOUND_S = GLOO_TIMEOUT_S + 10.0
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.since = rank, None
+        threading.Thread(target=self._watch, name="fastdeploy-tp-silence", daemon=True).start()
+
+    def __enter__(self) -> None:
+        self.since = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        self.since = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            since = self.since
+            if since is not None and time.monotonic() - since > self.BOUND_S:
+                logger.error("tensor-parallel rank %d: nothing from rank 0 for %.0f s (it sends at least every %.0f s): "
+                             "it is gone or hung; stopping", self.rank, self.BOUND_S, HEARTBEAT_S)
+                sys.stderr.flush()
+                os._exit(1)
+
+
 def serve_steps(config: EngineConfig) -> NoReturn:
     """Ranks > 0: load this rank's shard, run every step rank 0 broadcasts, then end the process (status 0 when
     rank 0 stopped us, 1 on an error, which rank 0 reports too)."""
@@ -162,8 +191,10 @@ def serve_steps(config: EngineConfig) -> NoReturn:
                                     config.kv_cache_dtype)
         logger.info("tensor-parallel rank %d of %d serves rank 0's steps (%d KV blocks)", launch.rank, tp.size, blocks)
         steps = StepServer(model, caches, config.block_size)
+        silence = _Silence(launch.rank)
         while True:
-            message = step_codec.decode(member.comm.receive())
+            with silence:
+                message = step_codec.decode(member.comm.receive())
             if isinstance(message, messages.Stop):
                 status = 0
                 break

@@ -1,0 +1,355 @@
+"""Tensor parallel across hosts (issue 45): two `python -m paddle.distributed.launch` invocations on loopback
+act as two nodes of one launch, the ranks meeting through Paddle's gloo group.
+
+- tp=2 across the two "nodes" gives transformers' greedy tokens (committed references) and tensor_parallel_size=1's
+  tokens and logprobs, for ERNIE-4.5 dense and MoE (the latter as 2 ranks on one node, PADDLE_LOCAL_SIZE=2); the
+  batch is prefilled in chunks and preempted; an idle spell longer than gloo's 30 s timeout leaves the group
+  working (rank 0's heartbeats); every process exits 0 when rank 0's script ends.
+- Killing one node's processes mid-generation fails rank 0's generate with a WorkerError within the bound.
+- Ranks started with different arguments fail naming the argument; bad launcher variables and a rank 0 on a
+  host that is not the master's are clear errors; an unreachable master is an error within the store timeout.
+- The step message round-trips field by field, and a corrupted or malformed one is refused.
+"""
+from __future__ import annotations
+
+import json
+import re
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+from fastdeploy import LLM
+from fastdeploy.distributed import gloo_comm
+from fastdeploy.distributed.launch import Launch, is_local_address
+from fastdeploy.step_types import ForwardBatch, VisionSlice
+from fastdeploy.worker import messages, step_codec
+from fastdeploy.worker.launched_group import _Silence
+from fastdeploy.worker.step_codec import MessageError
+from test_tensor_parallel import ENGINE, REFS, assert_matches_reference, assert_same_outputs, generate
+
+MODELS = FIXTURES / "models"
+RUN_TIMEOUT_S = 240
+KILL_BOUND_S = 10.0  # a rank whose process exits: its peers' next collective fails at once (docs/distributed.md)
+
+SCRIPT = r'''
+import json, sys, time
+from fastdeploy import LLM, SamplingParams
+model, out, mode, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+engine = dict(block_size=16, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=32,
+              num_gpu_blocks_override=14, enable_prefix_caching=False, dtype="float32")
+engine.update(extra)
+llm = LLM(model=model, tensor_parallel_size=2, **engine)  # ranks > 0 never return from here
+assert llm._check_master()
+ref = json.loads(open(sys.argv[5]).read()) if len(sys.argv) > 5 else None
+def outputs(results):
+    return [{"ids": r.outputs.token_ids, "logprobs": [{str(t): e.logprob for t, e in step.items()}
+                                                     for step in r.outputs.logprobs]} for r in results]
+if mode == "generate":
+    params = SamplingParams(temperature=0, max_tokens=ref["max_new_tokens"], ignore_eos=True, logprobs=ref["top_k"])
+    first = llm.generate([{"prompt_token_ids": p} for p in ref["prompts"]], params, use_tqdm=False)
+    time.sleep(ref["idle_s"])  # longer than gloo's timeout: the other ranks must still be there
+    again = llm.generate([{"prompt_token_ids": p} for p in ref["prompts"]], params, use_tqdm=False)
+    json.dump({"first": outputs(first), "again": outputs(again),
+               "preemptions": llm.engine.scheduler.num_preemptions}, open(out, "w"))
+elif mode == "until_error":
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    try:
+        for i in range(2000):  # bounded: the test kills the other node within the first few
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, params, use_tqdm=False)
+            if i == 0:
+                open(out + ".generating", "w").close()
+        json.dump({"error": None}, open(out, "w"))
+    except Exception as e:
+        json.dump({"error": f"{type(e).__name__}: {e}", "at": time.time()}, open(out, "w"))
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path: Path, node: int, port: int, args: list[str], nnodes: int = 2, nproc: int = 1
+           ) -> subprocess.Popen:
+    """One node's `python -m paddle.distributed.launch`."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--master", f"127.0.0.1:{port}", "--nnodes",
+           str(nnodes), "--nproc_per_node", str(nproc), "--log_dir", str(tmp_path / f"node{node}"), str(script), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def logs(tmp_path: Path, tail: int = 3000) -> str:
+    """The ranks' logs (each one's last `tail` characters)."""
+    return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-tail:]}"
+                     for p in sorted(tmp_path.glob("node*/workerlog.*")))
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it (the launcher starts each rank in a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def kill_node(proc: subprocess.Popen) -> None:
+    """SIGKILL one node: its launcher and every process it started."""
+    for pid in descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def finish(procs: list[subprocess.Popen], tmp_path: Path) -> list[int]:
+    trees = [descendants(p.pid) for p in procs]
+    try:
+        return [p.wait(timeout=RUN_TIMEOUT_S) for p in procs]
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"a node did not finish within {RUN_TIMEOUT_S} s:\n{logs(tmp_path)}") from None
+    finally:
+        for pid in (pid for tree in trees for pid in tree):  # nothing outlives the test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def reference_run(ref: dict, tmp_path: Path) -> Path:
+    """The reference prompts (and tensor-parallel test's extra ones) for the launched script."""
+    from test_tensor_parallel import prompts_for
+
+    path = tmp_path / "ref.json"
+    path.write_text(json.dumps({"prompts": prompts_for(ref), "max_new_tokens": ref["max_new_tokens"],
+                                "top_k": ref["top_k"], "idle_s": gloo_comm.GLOO_TIMEOUT_S + 5}))
+    return path
+
+
+def as_outputs(result: list[dict]) -> list[SimpleNamespace]:
+    """A launched run's outputs in the shape test_tensor_parallel's checks read."""
+    return [SimpleNamespace(outputs=SimpleNamespace(token_ids=o["ids"], logprobs=[
+        {int(t): SimpleNamespace(logprob=v) for t, v in step.items()} for step in o["logprobs"]])) for o in result]
+
+
+@pytest.mark.parametrize("fixture, reference, nnodes, nproc", [
+    ("ernie45_tiny_hf", "ernie45_tiny_greedy.json", 2, 1),  # two nodes of one rank each
+    ("ernie45_moe_tiny_paddle", "ernie45_moe_tiny_greedy.json", 1, 2),  # one node of two ranks (experts split)
+])
+def test_launched_ranks_match_one_rank_and_transformers(tmp_path: Path, fixture: str, reference: str, nnodes: int,
+                                                         nproc: int) -> None:
+    ref = REFS[reference]
+    model = str(MODELS / fixture)
+    out = tmp_path / "out.json"
+    args = [model, str(out), "generate", "{}", str(reference_run(ref, tmp_path))]
+    port = free_port()
+    procs = [launch(tmp_path, node, port, args, nnodes, nproc) for node in range(nnodes)]
+    codes = finish(procs, tmp_path)
+    assert codes == [0] * nnodes, logs(tmp_path)
+    assert out.exists(), logs(tmp_path)
+    result = json.loads(out.read_text())
+    assert result["preemptions"] > 0  # the batch really was preempted
+    single = generate(LLM(model=model, **ENGINE), ref)
+    for name in ("first", "again"):  # "again": after an idle spell longer than gloo's timeout
+        launched = as_outputs(result[name])
+        assert_same_outputs(launched, single)
+        assert_matches_reference(launched, ref["cases"])
+    assert "tensor-parallel rank 1 of 2 serves rank 0's steps" in logs(tmp_path)
+
+
+def start_generating(tmp_path: Path) -> tuple[Path, list[subprocess.Popen], int]:
+    """Two nodes generating in a loop; returns once rank 0 has finished a first generate, with rank 0's node."""
+    out = tmp_path / "out.json"
+    port = free_port()
+    nodes = [launch(tmp_path, node, port, [str(MODELS / "ernie45_tiny_hf"), str(out), "until_error", "{}"])
+             for node in range(2)]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not Path(str(out) + ".generating").exists():
+        if time.monotonic() > deadline or any(n.poll() is not None for n in nodes):
+            finish(nodes, tmp_path)
+            raise AssertionError(f"the nodes did not start generating:\n{logs(tmp_path)}")
+        time.sleep(0.1)
+    # The launchers rendezvous in any order: rank 0 is the node whose log has the engine's line.
+    first = next(n for n in range(2) if "tensor parallel: 2 ranks" in (tmp_path / f"node{n}" / "workerlog.0").read_text())
+    return out, nodes, first
+
+
+def test_killing_a_node_fails_rank_0_within_the_bound(tmp_path: Path) -> None:
+    out, nodes, first = start_generating(tmp_path)
+    killed_at = time.time()
+    kill_node(nodes[1 - first])
+    codes = finish(nodes, tmp_path)
+    result = json.loads(out.read_text())
+    assert result["error"] is not None and result["error"].startswith("WorkerError"), result
+    assert "a rank exited or stopped answering" in result["error"]
+    assert result["at"] - killed_at < KILL_BOUND_S
+    assert codes[first] == 0  # rank 0's script caught the error and ended normally
+
+
+def test_killing_rank_0_ends_the_other_ranks_within_the_bound(tmp_path: Path) -> None:
+    _, nodes, first = start_generating(tmp_path)
+    kill_node(nodes[first])
+    start = time.monotonic()
+    other = nodes[1 - first]
+    try:
+        other.wait(timeout=_Silence.BOUND_S + 20)
+    finally:
+        finish(nodes, tmp_path)
+    assert other.returncode != 0
+    assert time.monotonic() - start < _Silence.BOUND_S + 20
+    text = logs(tmp_path, tail=100_000)
+    assert "tensor-parallel rank 1 stops after an error" in text or "nothing from rank 0" in text
+
+
+def test_ranks_with_different_arguments_fail_naming_the_argument(tmp_path: Path) -> None:
+    model = str(MODELS / "ernie45_tiny_hf")
+    out = tmp_path / "out.json"
+    port = free_port()
+    procs = [launch(tmp_path, node, port, [model, str(out), "generate", json.dumps({"max_model_len": 256 + node})])
+             for node in range(2)]
+    codes = finish(procs, tmp_path)
+    assert codes[0] != 0 and codes[1] != 0
+    text = logs(tmp_path, tail=100_000)
+    assert "rank 1 differs from rank 0 in max_model_len: '257' here, '256' on rank 0" in text
+    assert not out.exists()
+
+
+LAUNCHER_ENV = {"PADDLE_TRAINERS_NUM": "2", "PADDLE_TRAINER_ID": "1", "PADDLE_LOCAL_RANK": "0",
+                "PADDLE_LOCAL_SIZE": "1", "PADDLE_MASTER": "127.0.0.1:6170",
+                "PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:6171,127.0.0.2:6172"}
+
+
+def test_launcher_variables() -> None:
+    assert Launch.from_environ({}) is None
+    assert Launch.from_environ({"PADDLE_TRAINERS_NUM": "1", "PADDLE_TRAINER_ID": "0"}) is None  # one process
+    got = Launch.from_environ(LAUNCHER_ENV)
+    assert (got.rank, got.world_size, got.local_size, got.master_host, got.master_port) == (1, 2, 1, "127.0.0.1", 6170)
+    assert got.nodes == ["127.0.0.1", "127.0.0.2"]
+    for name, value, named in [("PADDLE_TRAINER_ID", "2", "PADDLE_TRAINER_ID=2 is outside [0, 1]"),
+                               ("PADDLE_TRAINERS_NUM", "x", "PADDLE_TRAINERS_NUM must be an integer"),
+                               ("PADDLE_MASTER", "nohost", "PADDLE_MASTER must be HOST:PORT"),
+                               ("PADDLE_TRAINER_ENDPOINTS", "127.0.0.1:1", "lists 1 endpoints")]:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            Launch.from_environ({**LAUNCHER_ENV, name: value})
+
+
+def test_rank_0_on_a_host_that_is_not_the_master() -> None:
+    """A node whose launcher could not tell its own address from --ips also takes rank 0."""
+    assert is_local_address("127.0.0.1") and not is_local_address("192.0.2.1")  # TEST-NET-1: nobody's
+    launch_ = Launch.from_environ({**LAUNCHER_ENV, "PADDLE_TRAINER_ID": "0", "PADDLE_MASTER": "192.0.2.1:6170"})
+    with pytest.raises(ValueError, match="two nodes took rank 0.*--host <its own address>.*GLOO_SOCKET_IFNAME"):
+        launch_.check_rank_zero_here()
+
+
+def test_an_unreachable_master_is_an_error_within_the_store_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gloo_comm, "STORE_TIMEOUT_S", 1)
+    launch_ = Launch.from_environ({**LAUNCHER_ENV, "PADDLE_MASTER": f"127.0.0.1:{free_port()}"})
+    start = time.monotonic()
+    with pytest.raises(gloo_comm.RankLost, match="could not reach the master 127.0.0.1:.*PADDLE_MASTER"):
+        gloo_comm.Rendezvous(launch_, {})
+    assert time.monotonic() - start < 10
+
+
+def test_tensor_parallel_size_and_ips_against_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = str(MODELS / "ernie45_tiny_hf")
+    with pytest.raises(NotImplementedError, match="paddle.distributed.launch --ips 10.0.0.1,10.0.0.2"):
+        LLM(model=model, ips="10.0.0.1,10.0.0.2")
+    for name, value in LAUNCHER_ENV.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="tensor_parallel_size=1, but paddle.distributed.launch started 2 processes"):
+        LLM(model=model)
+    with pytest.raises(ValueError, match="ips=10.0.0.1,10.0.0.2 but paddle.distributed.launch placed the ranks on "
+                                         "127.0.0.1,127.0.0.2"):
+        LLM(model=model, tensor_parallel_size=2, ips="10.0.0.1,10.0.0.2")
+
+
+def full_batch() -> ForwardBatch:
+    rng = np.random.default_rng(0)
+    vision = [VisionSlice("req-1", rng.standard_normal((8, 588)).astype(np.float32), [(1, 2, 4)],
+                          np.arange(2, dtype=np.int64), 0, 2)]
+    return ForwardBatch(np.arange(5, dtype=np.int64), np.arange(15, dtype=np.int64).reshape(3, 5),
+                        np.array([3, 2]), np.array([9, 4]), np.array([[3, 4], [7, 0]]), np.array([2, 4]),
+                        np.array([0, 1, 1, 0, 0]), vision, np.array([0, 1, 2]))
+
+
+def assert_same(got: object, want: object) -> None:
+    if isinstance(want, np.ndarray):
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    elif isinstance(want, list) and want and dataclasses_like(want[0]):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same(g, w)
+    elif dataclasses_like(want):
+        assert type(got) is type(want)
+        for name in want.__slots__:
+            assert_same(getattr(got, name), getattr(want, name))
+    else:
+        assert got == want
+
+
+def dataclasses_like(value: object) -> bool:
+    return hasattr(value, "__dataclass_fields__")
+
+
+@pytest.mark.parametrize("message", [
+    messages.Step(full_batch()),
+    messages.Step(ForwardBatch(np.array([1]), np.array([7]), np.array([1]), np.array([8]), np.zeros((1, 4), np.int64),
+                               np.array([0]))),
+    messages.MtpStep(messages.MtpLayerStep([4, 5], [7, 8], [2], [9], np.array([[1, 2]]), True, [0, 1], [1])),
+    messages.Stop(), messages.Noop()])
+def test_step_message_round_trips(message: object) -> None:
+    assert_same(step_codec.decode(step_codec.encode(message)), message)
+
+
+def test_bad_step_messages_are_refused() -> None:
+    good = step_codec.encode(messages.Step(full_batch()))
+    header = struct.calcsize("<4sHHII")
+    flipped = bytearray(good)
+    flipped[header + 40] ^= 0x10
+    with pytest.raises(MessageError, match="checksum"):
+        step_codec.decode(bytes(flipped))
+    with pytest.raises(MessageError, match="checksum"):
+        step_codec.decode(good[:-3])
+    with pytest.raises(MessageError, match="shorter than its header"):
+        step_codec.decode(good[:5])
+    with pytest.raises(MessageError, match="same fastdeploy"):
+        step_codec.decode(b"XXXX" + good[4:])
+
+    def resealed(payload: bytes, kind: int = 1) -> bytes:  # a well-formed frame around a payload
+        return struct.pack("<4sHHII", b"FDTP", step_codec.VERSION, kind, len(payload), zlib.crc32(payload)) + payload
+
+    payload = good[header:]
+    with pytest.raises(MessageError, match="bytes after its last field"):
+        step_codec.decode(resealed(payload + b"\0"))
+    with pytest.raises(MessageError, match="unknown kind 9"):
+        step_codec.decode(resealed(payload, kind=9))
+    float_ids = bytes([2, 1]) + struct.pack("<I", 5) + np.zeros(5, np.float32).tobytes()  # token ids as float32
+    with pytest.raises(MessageError, match="dtype code 2"):
+        step_codec.decode(resealed(float_ids + payload[2 + 4 + 40:]))
+    bad = full_batch()
+    bad.query_lens = np.array([3, 3])  # 6 tokens claimed, 5 sent
+    with pytest.raises(MessageError, match="disagree"):
+        step_codec.decode(step_codec.encode(messages.Step(bad)))
+    with pytest.raises(TypeError, match="no wire form for Init"):
+        step_codec.encode(messages.Init(None))
