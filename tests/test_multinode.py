@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
-from fastdeploy import LLM
+from fastdeploy import LLM, SamplingParams
 from fastdeploy.distributed import gloo_comm
 from fastdeploy.distributed.launch import Launch, is_local_address
 from fastdeploy.step_types import ForwardBatch, VisionSlice
@@ -136,13 +136,13 @@ def finish(procs: list[subprocess.Popen], tmp_path: Path) -> list[int]:
                 pass
 
 
-def reference_run(ref: dict, tmp_path: Path) -> Path:
+def reference_run(ref: dict, tmp_path: Path, idle_s: float) -> Path:
     """The reference prompts (and tensor-parallel test's extra ones) for the launched script."""
     from test_tensor_parallel import prompts_for
 
     path = tmp_path / "ref.json"
     path.write_text(json.dumps({"prompts": prompts_for(ref), "max_new_tokens": ref["max_new_tokens"],
-                                "top_k": ref["top_k"], "idle_s": gloo_comm.GLOO_TIMEOUT_S + 5}))
+                                "top_k": ref["top_k"], "idle_s": idle_s}))
     return path
 
 
@@ -152,16 +152,17 @@ def as_outputs(result: list[dict]) -> list[SimpleNamespace]:
         {int(t): SimpleNamespace(logprob=v) for t, v in step.items()} for step in o["logprobs"]])) for o in result]
 
 
-@pytest.mark.parametrize("fixture, reference, nnodes, nproc", [
-    ("ernie45_tiny_hf", "ernie45_tiny_greedy.json", 2, 1),  # two nodes of one rank each
-    ("ernie45_moe_tiny_paddle", "ernie45_moe_tiny_greedy.json", 1, 2),  # one node of two ranks (experts split)
+@pytest.mark.parametrize("fixture, reference, nnodes, nproc, idle_s", [
+    # two nodes of one rank each, idle between two runs for longer than gloo's timeout
+    ("ernie45_tiny_hf", "ernie45_tiny_greedy.json", 2, 1, gloo_comm.GLOO_TIMEOUT_S + 5),
+    ("ernie45_moe_tiny_paddle", "ernie45_moe_tiny_greedy.json", 1, 2, 0),  # one node of two ranks (experts split)
 ])
 def test_launched_ranks_match_one_rank_and_transformers(tmp_path: Path, fixture: str, reference: str, nnodes: int,
-                                                         nproc: int) -> None:
+                                                         nproc: int, idle_s: float) -> None:
     ref = REFS[reference]
     model = str(MODELS / fixture)
     out = tmp_path / "out.json"
-    args = [model, str(out), "generate", "{}", str(reference_run(ref, tmp_path))]
+    args = [model, str(out), "generate", "{}", str(reference_run(ref, tmp_path, idle_s))]
     port = free_port()
     procs = [launch(tmp_path, node, port, args, nnodes, nproc) for node in range(nnodes)]
     codes = finish(procs, tmp_path)
@@ -170,7 +171,7 @@ def test_launched_ranks_match_one_rank_and_transformers(tmp_path: Path, fixture:
     result = json.loads(out.read_text())
     assert result["preemptions"] > 0  # the batch really was preempted
     single = generate(LLM(model=model, **ENGINE), ref)
-    for name in ("first", "again"):  # "again": after an idle spell longer than gloo's timeout
+    for name in ("first", "again"):
         launched = as_outputs(result[name])
         assert_same_outputs(launched, single)
         assert_matches_reference(launched, ref["cases"])
@@ -353,3 +354,43 @@ def test_bad_step_messages_are_refused() -> None:
         step_codec.decode(step_codec.encode(messages.Step(bad)))
     with pytest.raises(TypeError, match="no wire form for Init"):
         step_codec.encode(messages.Init(None))
+
+
+def test_fastdeploy_serve_under_the_launcher(tmp_path: Path) -> None:
+    """`fastdeploy serve` as the launched script: rank 0 serves the API, rank 1 its steps; SIGTERM to the
+    launcher (which then exits with that signal's number) stops the server gracefully and every rank with it."""
+    import httpx
+    import openai
+
+    model = str(MODELS / "ernie45_tiny_hf")
+    port, api = free_port(), free_port()
+    cli = Path(sys.executable).with_name("fastdeploy")
+    node = subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", "--master", f"127.0.0.1:{port}",
+                             "--nnodes", "1", "--nproc_per_node", "2", "--log_dir", str(tmp_path / "node0"), str(cli),
+                             "serve", model, "--tensor-parallel-size", "2", "--host", "127.0.0.1", "--port", str(api),
+                             "--block-size", "16"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            assert node.poll() is None and time.monotonic() < deadline, logs(tmp_path)
+            try:
+                if httpx.get(f"http://127.0.0.1:{api}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key="x", timeout=60, max_retries=0)
+        got = client.completions.create(model=model, prompt=[9, 8, 7], temperature=0, max_tokens=12,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        want = LLM(model=model, block_size=16).generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=12,
+                                                                                    ignore_eos=True), use_tqdm=False)
+        assert got.choices[0].completion_token_ids == want[0].outputs.token_ids
+        tree = descendants(node.pid)
+        node.send_signal(signal.SIGTERM)
+        node.wait(60)
+        text = logs(tmp_path, tail=100_000)
+        assert "server stopped" in text and "tensor-parallel rank 1 of 2 serves rank 0's steps" in text
+        time.sleep(1)
+        assert not [pid for pid in tree if Path(f"/proc/{pid}").exists()
+                    and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
+    finally:
+        finish([node], tmp_path)
