@@ -42,8 +42,8 @@ def _run(task_maker, what: str) -> None:
     try:
         task_maker().wait()
     except RuntimeError as e:
-        raise RankLost(f"tensor-parallel {what} failed: a rank exited or stopped answering within "
-                       f"{GLOO_TIMEOUT_S:g} s ({str(e).splitlines()[0][:200]})") from e
+        raise RankLost(f"tensor-parallel {what} failed: another rank exited, or did not answer for "
+                       f"{GLOO_TIMEOUT_S:g} s (gloo: {str(e).splitlines()[0][:200]})") from e
 
 
 class Rendezvous:
@@ -126,7 +126,7 @@ def _wait_for_master(launch: Launch) -> None:
 
 
 class GlooComm:
-    """One rank's collectives over the gloo group (ring all-reduce, all-gather, gather to rank 0, broadcast)."""
+    """One rank's collectives over the gloo group: ring all-reduce, gather to rank 0, rank 0's broadcast."""
 
     def __init__(self, rank: int, size: int) -> None:
         from paddle.base import core
@@ -142,15 +142,8 @@ class GlooComm:
     def attach(self, group) -> None:
         self._group = group
 
-    def gather(self, x: paddle.Tensor) -> paddle.Tensor:
-        """[size, *x.shape]: every rank's x, in rank order, on every rank."""
-        x = x.contiguous()
-        out = paddle.empty([self.size * x.shape[0] if x.ndim else self.size, *x.shape[1:]], dtype=x.dtype)
-        _run(lambda: self._group.all_gather(out, x, True), "all-gather")
-        return out.reshape([self.size, *x.shape])
-
     def gather_to_first(self, x: paddle.Tensor) -> paddle.Tensor:
-        """gather()'s result on rank 0 only (the other ranks get zeros of its shape: nobody reads them)."""
+        """[size, *x.shape]: every rank's x in rank order, on rank 0 (the others get zeros: nobody reads them)."""
         x = x.contiguous()
         out = paddle.zeros([self.size, *x.shape], dtype=x.dtype)
         _run(lambda: self._group.gather(x, out, 0, True), "gather")

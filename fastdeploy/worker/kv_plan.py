@@ -26,16 +26,15 @@ def kv_block_bytes(config: EngineConfig, tp_size: int, ranks_here: int | None = 
     return 2 * config.num_kv_layers * config.block_size * heads * row_bytes(mc.head_dim, config.kv_cache_dtype)
 
 
-def num_kv_blocks(config: EngineConfig, tp_size: int, worker_pids: Sequence[int] = (), ranks_here: int | None = None
-                  ) -> int:
+def num_kv_blocks(config: EngineConfig, tp_size: int, ranks_here: int = 1, worker_pids: Sequence[int] = ()) -> int:
     """The pool's block count (num_gpu_blocks_override if set); ValueError naming gpu_memory_utilization when
-    not even one max_model_len request fits. `worker_pids`: the other ranks on this host, when this process
-    started them; else `ranks_here` ranks (a launcher's ranks of this node) each hold what this one does."""
+    not even one max_model_len request fits. `ranks_here`: the ranks sharing this host's memory, this one
+    included; `worker_pids` those of them whose memory can be read, the others are taken to hold what this one does."""
     if config.num_gpu_blocks_override is not None:
         logger.info("total_block_num:%d (num_gpu_blocks_override)", config.num_gpu_blocks_override)
         return config.num_gpu_blocks_override
     share = host_memory_bytes() * config.gpu_memory_utilization
-    resident = resident_bytes() * (ranks_here or 1) + sum(resident_bytes(pid) for pid in worker_pids)
+    resident = resident_bytes() * (ranks_here - len(worker_pids)) + sum(resident_bytes(pid) for pid in worker_pids)
     reserve = int(share * ACTIVATION_RESERVE)
     budget = min(int(share) - resident, available_memory_bytes()) - reserve
     block = kv_block_bytes(config, tp_size, ranks_here)

@@ -53,7 +53,6 @@ class _Member:
     def __init__(self, config: EngineConfig) -> None:
         launch = self.launch = config.launch
         self.rendezvous = Rendezvous(launch, agreed_fields(config))
-        ops.share_cores(launch.local_size)  # this host's cores, shared by its ranks
         self.comm = GlooComm(launch.rank, launch.world_size)
         self.tp = TPGroup(launch.rank, launch.world_size, self.comm)
 
@@ -176,6 +175,7 @@ def serve_steps(config: EngineConfig) -> NoReturn:
     launch, status = config.launch, 1
     try:
         member = _Member(config)
+        ops.share_cores(launch.local_size)  # this host's cores, shared by its ranks
         try:
             model = load_model(config.model_config, member.tp, config.quant, dtype=config.dtype,
                                lm_head_fp32=config.lm_head_fp32, mtp_weights=config.mtp_weights)
@@ -185,7 +185,7 @@ def serve_steps(config: EngineConfig) -> NoReturn:
         ops.keep_freed_memory()
         member.wait_loaded()
         mc, tp = config.model_config, member.tp
-        blocks = member.comm.min_int(num_kv_blocks(config, tp.size, ranks_here=launch.local_size))
+        blocks = member.comm.min_int(num_kv_blocks(config, tp.size, launch.local_size))
         caches = allocate_kv_caches(config.num_kv_layers, blocks, config.block_size,
                                     kv_heads_per_rank(mc.num_key_value_heads, tp.size), mc.head_dim,
                                     config.kv_cache_dtype)

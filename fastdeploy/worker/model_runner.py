@@ -55,8 +55,8 @@ class ModelRunner:
         self.compiled: CompiledDecoder | None = None  # set once the KV cache exists
         self.vision = VisionCache()
         self.tp = self.workers.tp if self.workers is not None else SINGLE
-        if self.workers is None or self.workers.ranks_here is None:
-            ops.share_cores(self.tp.size)
+        ranks_here = self.workers.ranks_here if self.workers is not None else 1
+        ops.share_cores(ranks_here)  # this host's cores, shared by its ranks
         if self.workers is not None:
             # Stops the workers when this runner is garbage-collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, self.workers.close)
@@ -68,8 +68,7 @@ class ModelRunner:
                 self.workers.wait_loaded()
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
             self.sampling = SamplingStage(config.logprobs_mode)
-            ranks_here = self.workers.ranks_here if self.workers is not None else None
-            self.num_blocks = num_kv_blocks(config, self.tp.size, self.worker_pids, ranks_here)
+            self.num_blocks = num_kv_blocks(config, self.tp.size, ranks_here, self.worker_pids)
             if self.workers is not None:  # all ranks hold the same blocks, each its own heads
                 self.num_blocks = self.workers.allocate_kv(self.num_blocks)
         except BaseException:

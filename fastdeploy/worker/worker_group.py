@@ -87,7 +87,7 @@ class WorkerGroup:
 
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.tensor_parallel_size
-        self.ranks_here = None  # all ranks are on this host, and their pids are known
+        self.ranks_here = self.size  # all on this host
         self.procs: list[subprocess.Popen] = []
         self.socks: list[socket.socket] = []
         self.closed = False
