@@ -8,29 +8,29 @@ steps reach the ranks as frames broadcast from rank 0 (worker/step_codec.py enco
 Failure bounds (docs/distributed.md): a rank whose process exits closes its connections, and a collective
 waiting for it fails at once; a rank that stops answering (hung, or its host gone) fails it after gloo's
 30 s timeout. Idle workers would hit that timeout waiting for the next step, so rank 0 broadcasts an empty
-frame when nothing else went out for HEARTBEAT_S (worker/launched_group.py).
+frame when nothing else went out for HEARTBEAT_S; and a worker's pending receive may miss that rank 0 was
+killed, so workers also watch how long they wait (both in worker/launched_group.py).
 """
 from __future__ import annotations
 
 import json
-import logging
 import socket
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import paddle
 
 from fastdeploy.distributed.launch import Launch
 
-logger = logging.getLogger(__name__)
-
 STORE_TIMEOUT_S = 300  # every rank must reach the store within this long of rank 0
 LOAD_TIMEOUT_S = 3600.0  # every rank must have loaded its shard within this long of the first
 GLOO_TIMEOUT_S = 30.0  # gloo's own, fixed: a collective some rank never joins fails after this long
 HEARTBEAT_S = 5.0
 FRAME_BYTES = 4096  # a step message up to this size is one broadcast; a larger one, two
+MAX_MESSAGE_BYTES = 1 << 30  # a step's media included; a frame announcing more is refused, not allocated
 _POLL_S = 0.05
 
 
@@ -38,7 +38,7 @@ class RankLost(RuntimeError):
     """A collective failed: some rank exited, stopped answering, or the network between them broke."""
 
 
-def _run(task_maker, what: str) -> None:
+def _run(task_maker: Callable[[], Any], what: str) -> None:
     try:
         task_maker().wait()
     except RuntimeError as e:
@@ -162,6 +162,9 @@ class GlooComm:
 
     def send(self, message: bytes) -> None:
         """Rank 0: broadcast a message (its first FRAME_BYTES in one frame whose first 4 bytes give its length)."""
+        if len(message) > MAX_MESSAGE_BYTES:
+            raise ValueError(f"a step message of {len(message)} bytes is over {MAX_MESSAGE_BYTES}: send fewer or "
+                             "smaller media per step")
         head = struct.pack("<I", len(message)) + message[:FRAME_BYTES - 4]
         frame = np.zeros(FRAME_BYTES, np.uint8)
         frame[:len(head)] = np.frombuffer(head, np.uint8)
@@ -175,6 +178,8 @@ class GlooComm:
         self._broadcast(self._frame)
         frame = self._frame.numpy().tobytes()
         (n,) = struct.unpack_from("<I", frame)
+        if n > MAX_MESSAGE_BYTES:
+            raise RankLost(f"rank 0 announced a step message of {n} bytes, more than {MAX_MESSAGE_BYTES}: refused")
         message = frame[4:4 + n]
         if n > FRAME_BYTES - 4:
             rest = paddle.zeros([n - (FRAME_BYTES - 4)], dtype="uint8")

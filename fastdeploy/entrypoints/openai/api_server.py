@@ -254,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         policy = media_policy(args)
         limits = request_limits(args)
         if replicas > 1:
+            if config.launch is not None:
+                raise ValueError("--data-parallel-size runs its engines on this host; under paddle.distributed.launch "
+                                 "run one server per launch instead (docs/distributed.md)")
             core_shares(replicas)
             if args.metrics_port is not None:
                 raise ValueError("--metrics-port: with --data-parallel-size the engines' metrics are served on the "
