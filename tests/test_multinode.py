@@ -348,6 +348,9 @@ def test_bad_step_messages_are_refused() -> None:
     float_ids = bytes([2, 1]) + struct.pack("<I", 5) + np.zeros(5, np.float32).tobytes()  # token ids as float32
     with pytest.raises(MessageError, match="dtype code 2"):
         step_codec.decode(resealed(float_ids + payload[2 + 4 + 40:]))
+    huge = bytes([1, 2]) + struct.pack("<2I", 2**32 - 1, 2**32 - 1) + bytes(16)  # positions claiming 2**64 ids
+    with pytest.raises(MessageError, match="runs past its end"):
+        step_codec.decode(resealed(payload[:2 + 4 + 40] + huge))
     bad = full_batch()
     bad.query_lens = np.array([3, 3])  # 6 tokens claimed, 5 sent
     with pytest.raises(MessageError, match="disagree"):

@@ -9,6 +9,7 @@ disagree in length.
 """
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 
@@ -68,7 +69,7 @@ class _Reader:
             raise MessageError(f"step message: a field of dtype code {code} and {ndim} dimensions where the schema "
                                f"has {dtype} with {' or '.join(map(str, ndims))}")
         shape = struct.unpack(f"<{ndim}I", self._take(4 * ndim))
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)  # Python ints: forged dimensions cannot wrap around
         return np.frombuffer(self._take(count * dtype.itemsize), dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
     def ints(self) -> np.ndarray:
