@@ -121,7 +121,8 @@ def _wait_for_master(launch: Launch) -> None:
             if time.monotonic() > deadline:
                 raise RankLost(f"rank {launch.rank} could not reach the master {launch.master_host}:"
                                f"{launch.master_port} (PADDLE_MASTER) within {STORE_TIMEOUT_S} s ({e}): check the "
-                               "launcher's --master / --ips address and that this port is open between the hosts") from e
+                               "launcher's --master / --ips address and that this port is open between the hosts"
+                               ) from e
             time.sleep(0.5)
 
 

@@ -33,7 +33,7 @@ class Launch:
         return list(dict.fromkeys(e.rsplit(":", 1)[0] for e in self.endpoints))
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Launch | None:
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Launch | None:  # env-ok: the launcher's ranks
         """This process's place, or None when no launcher started it or it started a single process."""
         if "PADDLE_TRAINERS_NUM" not in environ:
             return None
@@ -45,8 +45,8 @@ class Launch:
         local_rank = _int(environ, "PADDLE_LOCAL_RANK", 0, local_size - 1, default=0)
         endpoints = tuple(e for e in environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e)
         if len(endpoints) != world:
-            raise ValueError(f"PADDLE_TRAINER_ENDPOINTS lists {len(endpoints)} endpoints for PADDLE_TRAINERS_NUM={world}"
-                             f" ranks; {_HINT}")
+            raise ValueError(f"PADDLE_TRAINER_ENDPOINTS lists {len(endpoints)} endpoints for "
+                             f"PADDLE_TRAINERS_NUM={world} ranks; {_HINT}")
         master = environ.get("PADDLE_MASTER") or endpoints[0]
         host, _, port = master.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -1,5 +1,7 @@
 """One step's forward on this rank's shard, layer by layer: what rank 0's ModelRunner and every worker rank run
-(the compiled step, compiled_step.py, is rank 0's alone). Vision rows of multimodal steps come from `VisionCache`."""
+(the compiled step, compiled_step.py, is rank 0's alone), and what each rank holds for it: its shard of the model
+(`load_shard`) and its KV heads of every cache block (`rank_kv_caches`). Vision rows of multimodal steps come from
+`VisionCache`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -8,8 +10,27 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from fastdeploy.model_executor.forward_context import build_forward_context, forward_context
+from fastdeploy import ops
+from fastdeploy.config import EngineConfig
+from fastdeploy.distributed.parallel_state import TPGroup, kv_heads_per_rank
+from fastdeploy.model_executor.forward_context import allocate_kv_caches, build_forward_context, forward_context
+from fastdeploy.model_executor.load import load_model
 from fastdeploy.step_types import ForwardBatch, VisionSlice
+
+
+def load_shard(config: EngineConfig, tp: TPGroup) -> nn.Layer:
+    """This rank's shard of the model; afterwards activations reuse heap memory instead of fresh pages."""
+    model = load_model(config.model_config, tp, config.quant, dtype=config.dtype, lm_head_fp32=config.lm_head_fp32,
+                       mtp_weights=config.mtp_weights)
+    ops.keep_freed_memory()
+    return model
+
+
+def rank_kv_caches(config: EngineConfig, num_blocks: int, tp_size: int) -> list[paddle.Tensor]:
+    """This rank's KV caches: every rank holds the same blocks, each its own KV heads."""
+    mc = config.model_config
+    return allocate_kv_caches(config.num_kv_layers, num_blocks, config.block_size,
+                              kv_heads_per_rank(mc.num_key_value_heads, tp_size), mc.head_dim, config.kv_cache_dtype)
 
 
 @paddle.no_grad()

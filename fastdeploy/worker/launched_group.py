@@ -67,13 +67,14 @@ class LaunchedGroup(_Member):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.size, self.ranks_here, self.pids = self.launch.world_size, self.launch.local_size, []
+        self.ranks_here, self.pids = self.launch.local_size, []  # the other ranks' processes are not ours to see
         self.closed = False
         self.owner_pid = os.getpid()
         self._lock = threading.Lock()  # one message and its collectives at a time: steps, heartbeats, stop
         self._last_sent = time.monotonic()
-        logger.info("tensor parallel: %d ranks on %d node(s) %s, master %s:%d", self.size, len(self.launch.nodes),
-                    self.launch.nodes, self.launch.master_host, self.launch.master_port)
+        launch = self.launch
+        logger.info("tensor parallel: %d ranks on %d node(s) %s, master %s:%d", launch.world_size, len(launch.nodes),
+                    launch.nodes, launch.master_host, launch.master_port)
 
     def wait_loaded(self) -> None:
         super().wait_loaded()
@@ -87,8 +88,12 @@ class LaunchedGroup(_Member):
 
     def run_step(self, message: messages.Step | messages.MtpStep, forward: Callable[[], T]) -> T:
         """Broadcast the step and run rank 0's forward of it, as WorkerGroup.run_step."""
+        def step() -> T:
+            self._send(message)
+            return forward()
+
         with deferred_sigint(), self._lock:
-            return self._guard(lambda: (self._send(message), forward())[1])
+            return self._guard(step)
 
     def parameters(self) -> list:
         raise NotImplementedError("the other ranks' parameters stay on their hosts; inspect them there")
@@ -110,6 +115,8 @@ class LaunchedGroup(_Member):
     def _heartbeat(self) -> None:
         while not self.closed:
             time.sleep(HEARTBEAT_S / 5)
+            if time.monotonic() - self._last_sent < HEARTBEAT_S:
+                continue  # busy: do not contend for the lock the steps hold
             with self._lock:
                 if self.closed or time.monotonic() - self._last_sent < HEARTBEAT_S:
                     continue
@@ -119,7 +126,7 @@ class LaunchedGroup(_Member):
                     self.closed = True  # the next step reports it
                     return
 
-    def close(self, kill: bool = False) -> None:
+    def close(self) -> None:
         """Tell the other ranks to exit (status 0), or, before the group formed, why they should stop waiting.
         Idempotent; only the creating process acts."""
         if self.closed or os.getpid() != self.owner_pid:
@@ -157,8 +164,8 @@ class _Silence:
             time.sleep(1.0)
             since = self.since
             if since is not None and time.monotonic() - since > self.BOUND_S:
-                logger.error("tensor-parallel rank %d: nothing from rank 0 for %.0f s (it sends at least every %.0f s): "
-                             "it is gone or hung; stopping", self.rank, self.BOUND_S, HEARTBEAT_S)
+                logger.error("tensor-parallel rank %d: nothing from rank 0 for %.0f s (it sends at least every "
+                             "%.0f s): it is gone or hung; stopping", self.rank, self.BOUND_S, HEARTBEAT_S)
                 sys.stderr.flush()
                 os._exit(1)
 
@@ -166,9 +173,7 @@ class _Silence:
 def serve_steps(config: EngineConfig) -> NoReturn:
     """Ranks > 0: load this rank's shard, run every step rank 0 broadcasts, then end the process (status 0 when
     rank 0 stopped us, 1 on an error, which rank 0 reports too)."""
-    from fastdeploy.distributed.parallel_state import kv_heads_per_rank
-    from fastdeploy.model_executor.forward_context import allocate_kv_caches
-    from fastdeploy.model_executor.load import load_model
+    from fastdeploy.worker.forward import load_shard, rank_kv_caches
     from fastdeploy.worker.kv_plan import num_kv_blocks
     from fastdeploy.worker.tp_worker import StepServer
 
@@ -177,18 +182,14 @@ def serve_steps(config: EngineConfig) -> NoReturn:
         member = _Member(config)
         ops.share_cores(launch.local_size)  # this host's cores, shared by its ranks
         try:
-            model = load_model(config.model_config, member.tp, config.quant, dtype=config.dtype,
-                               lm_head_fp32=config.lm_head_fp32, mtp_weights=config.mtp_weights)
+            model = load_shard(config, member.tp)
         except BaseException as e:
             member.rendezvous.announce_failure(f"loading failed: {type(e).__name__}: {e}")
             raise
-        ops.keep_freed_memory()
         member.wait_loaded()
-        mc, tp = config.model_config, member.tp
+        tp = member.tp
         blocks = member.comm.min_int(num_kv_blocks(config, tp.size, launch.local_size))
-        caches = allocate_kv_caches(config.num_kv_layers, blocks, config.block_size,
-                                    kv_heads_per_rank(mc.num_key_value_heads, tp.size), mc.head_dim,
-                                    config.kv_cache_dtype)
+        caches = rank_kv_caches(config, blocks, tp.size)
         logger.info("tensor-parallel rank %d of %d serves rank 0's steps (%d KV blocks)", launch.rank, tp.size, blocks)
         steps = StepServer(model, caches, config.block_size)
         silence = _Silence(launch.rank)

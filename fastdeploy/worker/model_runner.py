@@ -19,15 +19,14 @@ import paddle
 
 from fastdeploy import ops
 from fastdeploy.config import EngineConfig
-from fastdeploy.distributed.parallel_state import SINGLE, kv_heads_per_rank
-from fastdeploy.model_executor.forward_context import allocate_kv_caches
-from fastdeploy.model_executor.load import load_model
+from fastdeploy.distributed.parallel_state import SINGLE
 from fastdeploy.sampling.policy import sample_in_forward, sampled_in_forward
 from fastdeploy.sampling.sampler import SamplingStage
 from fastdeploy.step_types import ForwardBatch, ModelRunnerOutput, SchedulerOutput
 from fastdeploy.worker import messages
 from fastdeploy.worker.compiled_step import CompiledDecoder
-from fastdeploy.worker.forward import VisionCache, run_step, run_step_keeping, warmup_inputs
+from fastdeploy.worker.forward import (VisionCache, load_shard, rank_kv_caches, run_step, run_step_keeping,
+                                      warmup_inputs)
 from fastdeploy.worker.kv_plan import kv_block_bytes, num_kv_blocks
 from fastdeploy.worker.launched_group import LaunchedGroup
 from fastdeploy.worker.mtp_proposer import MtpLayer, MtpProposer
@@ -61,9 +60,7 @@ class ModelRunner:
             # Stops the workers when this runner is garbage-collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, self.workers.close)
         try:
-            self.model = load_model(mc, self.tp, config.quant, dtype=config.dtype,
-                                    lm_head_fp32=config.lm_head_fp32, mtp_weights=config.mtp_weights)
-            ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
+            self.model = load_shard(config, self.tp)
             if self.workers is not None:
                 self.workers.wait_loaded()
             logger.info("loaded %s from %s in %.1f s", mc.architectures[0], mc.model_path, time.perf_counter() - start)
@@ -74,9 +71,7 @@ class ModelRunner:
         except BaseException:
             self.close()
             raise
-        self.kv_caches = allocate_kv_caches(config.num_kv_layers, self.num_blocks, config.block_size,
-                                            kv_heads_per_rank(mc.num_key_value_heads, self.tp.size), mc.head_dim,
-                                            config.kv_cache_dtype)
+        self.kv_caches = rank_kv_caches(config, self.num_blocks, self.tp.size)
         main_caches = self.kv_caches[:mc.num_hidden_layers]  # the MTP layer's, if any, come after
         self.compiled = (CompiledDecoder.build(self.model, main_caches, config.block_size, config.max_model_len)
                          if self.workers is None else None)

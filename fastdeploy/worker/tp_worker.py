@@ -19,7 +19,7 @@ import traceback
 from typing import Any
 
 from fastdeploy.distributed import channel
-from fastdeploy.distributed.parallel_state import TPGroup, kv_heads_per_rank
+from fastdeploy.distributed.parallel_state import TPGroup
 from fastdeploy.distributed.shm_comm import ShmComm
 from fastdeploy.worker import messages
 from fastdeploy.worker.worker_group import HELLO
@@ -61,7 +61,7 @@ class Worker:
 
     def start(self, config: Any) -> None:
         from fastdeploy import ops
-        from fastdeploy.model_executor.load import load_model
+        from fastdeploy.worker.forward import load_shard
 
         comm = ShmComm(self.segment, self.rank, self.world_size)
         os.close(self.segment)
@@ -69,19 +69,14 @@ class Worker:
         tp = TPGroup(self.rank, self.world_size, comm)
         ops.limit_cores(self.cores)
         ops.share_cores(self.world_size)
-        self.model = load_model(config.model_config, tp, config.quant, dtype=config.dtype,
-                                lm_head_fp32=config.lm_head_fp32, mtp_weights=config.mtp_weights)
-        ops.keep_freed_memory()  # from now on activations reuse heap memory instead of fresh pages
+        self.model = load_shard(config, tp)
         self.block_size = config.block_size
         self.config = config
 
     def allocate(self, num_blocks: int) -> None:
-        from fastdeploy.model_executor.forward_context import allocate_kv_caches
+        from fastdeploy.worker.forward import rank_kv_caches
 
-        mc = self.config.model_config
-        self.kv_caches = allocate_kv_caches(self.config.num_kv_layers, num_blocks, self.block_size,
-                                            kv_heads_per_rank(mc.num_key_value_heads, self.world_size), mc.head_dim,
-                                            self.config.kv_cache_dtype)
+        self.kv_caches = rank_kv_caches(self.config, num_blocks, self.world_size)
 
     def serve(self) -> None:
         steps: StepServer | None = None
