@@ -1,1 +1,1 @@
-"""Adapters to engines users already run (Ray Data); each needs its optional extra (`pip install -e ".[ray]"`)."""
+"""Adapters to engines users already run (Ray Data, Ray Serve); each needs its optional extra (`pip install -e ".[ray]"`)."""

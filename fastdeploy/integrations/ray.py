@@ -44,7 +44,7 @@ class LLMPredictor:
         if self.params.n != 1:
             raise ValueError(f"sampling_params n must be 1 (one output row per input row), got {self.params.n}")
         self.prompt_column = prompt_column
-        cpus = _assigned_cpus()
+        cpus = assigned_cpus()
         ops.limit_cores(max(1, int(cpus)) if cpus else None)  # what Ray gave this actor, else the machine's
         self.llm = LLM(model=model, **dict(llm_kwargs or {}))
 
@@ -65,7 +65,7 @@ class LLMPredictor:
                 "error_msg": np.array([o.error_msg or "" for o in outputs], dtype=object)}
 
 
-def _assigned_cpus() -> float | None:
+def assigned_cpus() -> float | None:
     """The CPUs Ray reserved for this actor; None outside a Ray worker (a driver, or no Ray at all)."""
     if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
         return None

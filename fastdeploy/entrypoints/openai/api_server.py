@@ -11,6 +11,7 @@ tensor-parallel workers and exits 0.
 """
 from __future__ import annotations
 
+import argparse
 import faulthandler
 import hmac
 import logging
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +33,18 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fastdeploy.config import EngineConfig
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.entrypoints.multimodal import prompts_for
+from fastdeploy.input.media import MediaPolicy
 from fastdeploy.entrypoints.openai.cli_args import (MAX_REQUEST_BODY_BYTES, api_keys,
                                                     check_fastdeploy_server_flags, engine_config, make_parser,
                                                     media_policy, request_limits)
 from fastdeploy.entrypoints.openai.data_parallel import core_shares, serve as serve_replicas
-from fastdeploy.entrypoints.openai.engine_loop import EngineLoop
+from fastdeploy.entrypoints.openai.engine_loop import EngineLoop, stop_process
 from fastdeploy.entrypoints.openai.metrics import ServerMetrics
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from fastdeploy.entrypoints.openai.serving import APIError, EventStream, ServingContext
+from fastdeploy.entrypoints.openai.serving import APIError, EventStream, RequestLimits, ServingContext
 from fastdeploy.entrypoints.openai.serving_chat import create_chat_completion
 from fastdeploy.entrypoints.openai.serving_completion import create_completion
 from fastdeploy.entrypoints.openai.serving_tokens import add_routes
@@ -240,6 +244,40 @@ def _serve_http(server: uvicorn.Server, loop: EngineLoop) -> None:
         loop.close()
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """The server's flags, validated: what one engine and its API need."""
+
+    api_keys: list[str]
+    config: EngineConfig
+    media: MediaPolicy
+    limits: RequestLimits
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """ValueError/TypeError/NotImplementedError naming the first flag this server cannot honour."""
+    check_fastdeploy_server_flags(args)
+    keys = api_keys(args)
+    return ServerSettings(keys, engine_config(args), media_policy(args), request_limits(args))
+
+
+def serving_app(args: argparse.Namespace, settings: ServerSettings, engine: LLMEngine,
+                on_death: Callable[[], None] = stop_process) -> tuple[EngineLoop, Gatekeeper, CollectorRegistry]:
+    """The engine's loop (not yet running), the API app over it, and the registry of its metrics (on /metrics
+    unless --metrics-port serves them)."""
+    config = settings.config
+    registry = CollectorRegistry()
+    loop = EngineLoop(engine, ServerMetrics(registry, config), on_death)
+    name = config.served_model_name or served_name(args.model)
+    ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer, settings.media), name,
+                         args.max_concurrency, args.max_waiting_time if args.max_waiting_time >= 0 else None,
+                         args.trust_request_chat_template, accepted_names=(args.model,),
+                         prompt_tokens_details=args.enable_prompt_tokens_details, limits=settings.limits)
+    gate = build_app(ctx, settings.api_keys, registry if args.metrics_port is None else None,
+                     args.max_request_body_bytes)
+    return loop, gate, registry
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -248,13 +286,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if replicas < 1:
         parser.error(f"--data-parallel-size must be >= 1, got {replicas}")
     try:
-        check_fastdeploy_server_flags(args)
-        keys = api_keys(args)
-        config = engine_config(args)
-        policy = media_policy(args)
-        limits = request_limits(args)
+        settings = server_settings(args)
         if replicas > 1:
-            if config.launch is not None:
+            if settings.config.launch is not None:
                 raise ValueError("--data-parallel-size runs its engines on this host; under paddle.distributed.launch "
                                  "run one server per launch instead (docs/distributed.md)")
             core_shares(replicas)
@@ -269,15 +303,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # A crash in native code then prints every thread's Python stack and the process dies of the signal.
     # Enabled after fastdeploy's import has taken Paddle's handlers down, so the one it chains to is the default.
     faulthandler.enable()
-    engine = LLMEngine(config)
-    registry = CollectorRegistry()
-    loop = EngineLoop(engine, ServerMetrics(registry, config))
-    name = config.served_model_name or served_name(args.model)
-    ctx = ServingContext(engine, loop, prompts_for(config, engine.tokenizer, policy), name,
-                         args.max_concurrency, args.max_waiting_time if args.max_waiting_time >= 0 else None,
-                         args.trust_request_chat_template, accepted_names=(args.model,),
-                         prompt_tokens_details=args.enable_prompt_tokens_details, limits=limits)
-    gate = build_app(ctx, keys, registry if args.metrics_port is None else None, args.max_request_body_bytes)
+    engine = LLMEngine(settings.config)
+    loop, gate, registry = serving_app(args, settings, engine)
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, addr=args.host, registry=registry)
     server = uvicorn.Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,
