@@ -5,6 +5,8 @@ act as two nodes of one launch, the ranks meeting through Paddle's gloo group.
   tokens and logprobs, for ERNIE-4.5 dense and MoE (the latter as 2 ranks on one node, PADDLE_LOCAL_SIZE=2); the
   batch is prefilled in chunks and preempted; an idle spell longer than gloo's 30 s timeout leaves the group
   working (rank 0's heartbeats); every process exits 0 when rank 0's script ends.
+- Across two nodes, MTP speculation (the demo model's trained layer; drafts accepted) gives one rank's tokens
+  without speculation, and ERNIE-4.5-VL's text, image and video prompts give transformers' tokens.
 - Killing one node's processes mid-generation fails rank 0's generate with a WorkerError within the bound.
 - Ranks started with different arguments fail naming the argument; bad launcher variables and a rank 0 on a
   host that is not the master's are clear errors; an unreachable master is an error within the store timeout.
@@ -48,6 +50,8 @@ from fastdeploy import LLM, SamplingParams
 model, out, mode, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 engine = dict(block_size=16, max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=32,
               num_gpu_blocks_override=14, enable_prefix_caching=False, dtype="float32")
+if mode == "prompts":  # the test's own engine arguments and prompts (token ids, or VL cases built here)
+    engine = {}
 engine.update(extra)
 llm = LLM(model=model, tensor_parallel_size=2, **engine)  # ranks > 0 never return from here
 assert llm._check_master()
@@ -62,6 +66,14 @@ if mode == "generate":
     again = llm.generate([{"prompt_token_ids": p} for p in ref["prompts"]], params, use_tqdm=False)
     json.dump({"first": outputs(first), "again": outputs(again),
                "preemptions": llm.engine.scheduler.num_preemptions}, open(out, "w"))
+elif mode == "prompts":
+    sys.path.insert(0, ref["tests"])
+    from test_ernie45_vl_generate import generate_prompt
+    prompts = [generate_prompt(p) if isinstance(p, dict) else {"prompt_token_ids": p} for p in ref["prompts"]]
+    results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=ref["max_tokens"], ignore_eos=True),
+                           use_tqdm=False)
+    json.dump([{"ids": r.outputs.token_ids, "error": r.error_msg, "accepted": r.metrics.num_accepted_tokens}
+               for r in results], open(out, "w"))
 elif mode == "until_error":
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     try:
@@ -177,6 +189,45 @@ def test_launched_ranks_match_one_rank_and_transformers(tmp_path: Path, fixture:
         assert_same_outputs(launched, single)
         assert_matches_reference(launched, ref["cases"])
     assert "tensor-parallel rank 1 of 2 serves rank 0's steps" in logs(tmp_path)
+
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "ernie-4.5-demo"
+
+
+def run_prompts(tmp_path: Path, model: Path, engine: dict, prompts: list, max_tokens: int) -> list[dict]:
+    """The launched script over `prompts` on two nodes of one rank each; their outputs."""
+    out, ref = tmp_path / "out.json", tmp_path / "ref.json"
+    ref.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "tests": str(Path(__file__).parent)}))
+    port = free_port()
+    procs = [launch(tmp_path, node, port, [str(model), str(out), "prompts", json.dumps(engine), str(ref)])
+             for node in range(2)]
+    assert finish(procs, tmp_path) == [0, 0], logs(tmp_path)
+    return json.loads(out.read_text())
+
+
+def test_mtp_drafts_across_launched_ranks(tmp_path: Path) -> None:
+    """ERNIE-4.5's MTP layer (the demo model's trained one) split over two nodes: its steps reach rank 1 as
+    MtpStep messages, drafts are accepted, and the tokens are one rank's without speculation."""
+    from test_speculative import repeating_prompts
+
+    prompts = repeating_prompts(4, seed=5)
+    engine = {"max_model_len": 256, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
+    got = run_prompts(tmp_path, DEMO, engine, prompts, 24)
+    want = LLM(model=str(DEMO), max_model_len=256).generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [g["ids"] for g in got] == [w.outputs.token_ids for w in want]
+    assert sum(g["accepted"] for g in got) > 0
+
+
+def test_vl_prompts_across_launched_ranks(tmp_path: Path) -> None:
+    """ERNIE-4.5-VL over two nodes: each rank encodes the media with its own vision tower from the step's vision
+    slices; text, image and video prompts give transformers' tokens."""
+    from test_ernie45_vl_model import BY_NAME, VL
+
+    cases = [BY_NAME[name] for name in ("text_only", "two_images", "image_and_video")]
+    prompts = [case["input_ids"] if case["name"] == "text_only" else case for case in cases]
+    got = run_prompts(tmp_path, VL, {"max_model_len": 1024}, prompts, 8)
+    assert [g["ids"] for g in got] == [case["output_token_ids"][:8] for case in cases]
 
 
 def start_generating(tmp_path: Path) -> tuple[Path, list[subprocess.Popen]]:
