@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdeploy.distributed.launch import Launch
+from fastdeploy.distributed.launch import Launch, is_local_address
 from fastdeploy.distributed.parallel_state import check_tp_size
 from fastdeploy.model_executor.model_config import ModelConfig
 from fastdeploy.model_executor.model_resolve import DEFAULT_REVISION, resolve_model
@@ -107,7 +107,8 @@ class EngineConfig:
               "a decode step's time (measured), so new prompts do not stall them")
     use_warmup: int = param(0, "1: run one full-budget forward at start-up")
     engine_worker_queue_port: int | str | list[int] | None = param(
-        8002, "localhost port feeding steps to tensor-parallel workers (the next free one if taken)", cli_type=str)
+        8002, "localhost port feeding steps to tensor-parallel workers (the next free one if taken); with ips and "
+              "no launcher, the port every node reaches the master at (ips[0])", cli_type=str)
     enable_mm: bool = param(False, "multimodal models (accepted; ERNIE-4.5-VL takes media whether set or not)")
     limit_mm_per_prompt: dict[str, int] | None = param(None, 'JSON like {"image": 100, "video": 100}')
     mm_processor_kwargs: dict[str, Any] | None = param(
@@ -146,8 +147,8 @@ class EngineConfig:
         None, 'speculative decoding, JSON like {"method": "ngram", "num_speculative_tokens": 4, "max_ngram_size": 5, '
               '"min_ngram_size": 2} or {"method": "mtp", "num_speculative_tokens": 1} (docs/speculative_decoding.md)')
     ips: str | list[str] | None = param(
-        None, "the nodes' addresses, comma-separated, master first (FastDeploy's multi-node form): checked against "
-              "those paddle.distributed.launch --ips started this process on", cli_type=str)
+        None, "the nodes' addresses, comma-separated, master first (FastDeploy's multi-node form): run the same "
+              "command on each, or check those paddle.distributed.launch --ips placed the ranks on", cli_type=str)
     model_config: ModelConfig = field(init=False, repr=False)
     launch: Launch | None = field(init=False)  # this process's place among the launcher's ranks, if it started it
     quant: QuantConfig = field(init=False)  # `quantization`, parsed
@@ -184,6 +185,7 @@ class EngineConfig:
                              f"max_model_len <= {window}")
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_tp_size(self.tensor_parallel_size, self.model_config)
+        self.engine_worker_queue_port = _port_of(self.engine_worker_queue_port)
         self._check_launch()
         _check_int("block_size", self.block_size, 1, 4096)
         _check_int("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS_LIMIT)
@@ -193,7 +195,6 @@ class EngineConfig:
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_int("use_warmup", int(self.use_warmup) if isinstance(self.use_warmup, bool) else self.use_warmup, 0, 1)
-        self.engine_worker_queue_port = _port_of(self.engine_worker_queue_port)
         _check_bool("enable_mm", self.enable_mm)
         _check_int("seed", self.seed, 0)
         _check_int("max_logprobs", self.max_logprobs, -1)
@@ -251,11 +252,12 @@ class EngineConfig:
         if not isinstance(ips, list) or not ips or not all(isinstance(ip, str) and ip.strip() for ip in ips):
             raise ValueError(f"ips must be comma-separated node addresses, got {self.ips!r}")
         ips = [ip.strip() for ip in ips]
-        if self.launch is None:
-            raise NotImplementedError(f"ips={','.join(ips)}: run this on every node under `python -m "
-                                      f"paddle.distributed.launch --ips {','.join(ips)} --host <that node's address> "
-                                      "--nproc_per_node M`, which starts the ranks (docs/distributed.md)")
-        if self.launch.nodes != ips:
+        if self.launch is None:  # FastDeploy's form: the same command on every node, no launcher
+            if len(ips) > 1:
+                self.launch = Launch.from_ips(ips, self.tensor_parallel_size, self.engine_worker_queue_port)
+            elif not is_local_address(ips[0]):
+                raise ValueError(f"ips={ips[0]} names one node, and it is not this host")
+        elif self.launch.nodes != ips:
             raise ValueError(f"ips={','.join(ips)} but paddle.distributed.launch placed the ranks on "
                              f"{','.join(self.launch.nodes)}; give both the same nodes in the same order")
 

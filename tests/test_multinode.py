@@ -52,8 +52,8 @@ engine = dict(block_size=16, max_num_seqs=8, enable_chunked_prefill=True, max_nu
               num_gpu_blocks_override=14, enable_prefix_caching=False, dtype="float32")
 if mode == "prompts":  # the test's own engine arguments and prompts (token ids, or VL cases built here)
     engine = {}
-engine.update(extra)
-llm = LLM(model=model, tensor_parallel_size=2, **engine)  # ranks > 0 never return from here
+engine = {"tensor_parallel_size": 2, **engine, **extra}
+llm = LLM(model=model, **engine)  # ranks > 0 never return from here
 assert llm._check_master()
 ref = json.loads(open(sys.argv[5]).read()) if len(sys.argv) > 5 else None
 def outputs(results):
@@ -91,6 +91,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def answers(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def launch(tmp_path: Path, node: int, port: int, args: list[str], nnodes: int = 2, nproc: int = 1
@@ -230,6 +238,37 @@ def test_vl_prompts_across_launched_ranks(tmp_path: Path) -> None:
     assert [g["ids"] for g in got] == [case["output_token_ids"][:8] for case in cases]
 
 
+def test_ips_without_a_launcher(tmp_path: Path) -> None:
+    """FastDeploy's form: the same command on each node with ips= and no launcher, here tp=4 as two nodes of
+    two ranks (each node's first rank starts its second); the first node started on a host that holds every
+    listed address is the master. Tokens and logprobs as one rank's and transformers'; every process exits 0."""
+    ref = REFS["ernie45_tiny_greedy.json"]
+    model = str(MODELS / "ernie45_tiny_hf")
+    out, port = tmp_path / "out.json", free_port()
+    extra = {"ips": "127.0.0.1,127.0.0.2", "engine_worker_queue_port": port, "tensor_parallel_size": 4}
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    args = [sys.executable, str(script), model, str(out), "generate", json.dumps(extra),
+            str(reference_run(ref, tmp_path, 0))]
+    nodes = []
+    for node in range(2):
+        log = tmp_path / f"node{node}" / "workerlog.0"
+        log.parent.mkdir()
+        nodes.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True))
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while node == 0 and not answers(port):  # the master's store is up
+            assert nodes[0].poll() is None and time.monotonic() < deadline, logs(tmp_path)
+            time.sleep(0.2)
+    assert finish(nodes, tmp_path) == [0, 0], logs(tmp_path)
+    result = json.loads(out.read_text())
+    single = generate(LLM(model=model, **ENGINE), ref)
+    assert_same_outputs(as_outputs(result["first"]), single)
+    assert_matches_reference(as_outputs(result["first"]), ref["cases"])
+    text = logs(tmp_path, tail=100_000)
+    assert "tensor parallel: 4 ranks on 2 node(s) ['127.0.0.1', '127.0.0.2']" in text
+    assert "tensor-parallel rank 3 of 4 serves rank 0's steps" in text
+
+
 def start_generating(tmp_path: Path) -> tuple[Path, list[subprocess.Popen]]:
     """Two nodes generating in a loop (node 0 has rank 0); returns once rank 0 has finished a first generate."""
     out = tmp_path / "out.json"
@@ -324,8 +363,6 @@ def test_an_unreachable_master_is_an_error_within_the_store_timeout(monkeypatch:
 
 def test_tensor_parallel_size_and_ips_against_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     model = str(MODELS / "ernie45_tiny_hf")
-    with pytest.raises(NotImplementedError, match="paddle.distributed.launch --ips 10.0.0.1,10.0.0.2"):
-        LLM(model=model, ips="10.0.0.1,10.0.0.2")
     for name, value in LAUNCHER_ENV.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match="tensor_parallel_size=1, but paddle.distributed.launch started 2 processes"):
@@ -333,6 +370,33 @@ def test_tensor_parallel_size_and_ips_against_the_launcher(monkeypatch: pytest.M
     with pytest.raises(ValueError, match="ips=10.0.0.1,10.0.0.2 but paddle.distributed.launch placed the ranks on "
                                          "127.0.0.1,127.0.0.2"):
         LLM(model=model, tensor_parallel_size=2, ips="10.0.0.1,10.0.0.2")
+
+
+def test_ips_without_a_launcher_finds_this_node() -> None:
+    port = free_port()
+    here = Launch.from_ips(["127.0.0.1", "10.255.255.1"], 4, port)  # only the first is this host's
+    assert (here.rank, here.world_size, here.local_rank, here.local_size, here.starts_node_ranks) == (0, 4, 0, 2, True)
+    assert here.endpoints == tuple(f"{ip}:{port}" for ip in ["127.0.0.1"] * 2 + ["10.255.255.1"] * 2)
+    assert Launch.from_ips(["10.255.255.1", "127.0.0.1"], 2, port).rank == 1  # a node that is not the master
+    assert Launch.from_ips(["127.0.0.1", "127.0.0.2"], 2, port).rank == 0  # one host: nothing answers, the master
+    with socket.socket() as store:  # ... and once the master's port answers, the other node
+        store.bind(("127.0.0.1", port))
+        store.listen()
+        assert Launch.from_ips(["127.0.0.1", "127.0.0.2"], 2, port).rank == 1
+        with pytest.raises(ValueError, match="lists 3 addresses of this host"):
+            Launch.from_ips(["127.0.0.1", "127.0.0.2", "127.0.0.3"], 3, port)
+    with pytest.raises(ValueError, match="none of ips=10.255.255.1,10.255.255.2 is an address of this host"):
+        Launch.from_ips(["10.255.255.1", "10.255.255.2"], 2, port)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not split evenly over the 2 nodes"):
+        Launch.from_ips(["127.0.0.1", "10.255.255.1"], 3, port)
+    with pytest.raises(ValueError, match="lists a node twice"):
+        Launch.from_ips(["127.0.0.1", "127.0.0.1"], 2, port)
+    model = str(MODELS / "ernie45_tiny_hf")
+    with pytest.raises(ValueError, match="ips=10.255.255.1 names one node, and it is not this host"):
+        LLM(model=model, ips="10.255.255.1")
+    with pytest.raises(ValueError, match="must be comma-separated node addresses"):
+        LLM(model=model, ips=" , ")
+    assert LLM(model=model, ips="127.0.0.1", max_model_len=64).engine.config.launch is None  # one node: this one
 
 
 def full_batch() -> ForwardBatch:

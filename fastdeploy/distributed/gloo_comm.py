@@ -14,6 +14,7 @@ killed, so workers also watch how long they wait (both in worker/launched_group.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import time
@@ -103,11 +104,19 @@ class Rendezvous:
         """The ranks' gloo group (every rank calls this at the same point: it is a collective)."""
         from paddle.base import core
 
+        # Paddle's group reads its global rank from the launcher's variable; under ips= there is no launcher.
+        had = os.environ.get("PADDLE_TRAINER_ID")  # env-ok: handed to Paddle, not read as a switch
+        os.environ["PADDLE_TRAINER_ID"] = str(self.launch.rank)
         try:
             return core.ProcessGroupGloo.create(self.store, self.launch.rank, self.launch.world_size, 0)
         except RuntimeError as e:
             raise RankLost(f"the gloo group did not form ({e}); set GLOO_SOCKET_IFNAME to the interface of the "
                            "address the other nodes reach this one by") from e
+        finally:
+            if had is None:
+                del os.environ["PADDLE_TRAINER_ID"]
+            else:
+                os.environ["PADDLE_TRAINER_ID"] = had
 
 
 def _wait_for_master(launch: Launch) -> None:

@@ -1,9 +1,12 @@
-"""Where this process sits when `python -m paddle.distributed.launch` started it on several nodes.
+"""Where this process sits among the ranks of a model spread over several nodes.
 
-The launcher gives each process its place in standard variables (PADDLE_TRAINER_ID, PADDLE_TRAINERS_NUM,
-PADDLE_MASTER, PADDLE_LOCAL_RANK, PADDLE_LOCAL_SIZE, PADDLE_TRAINER_ENDPOINTS, PADDLE_CURRENT_ENDPOINT);
-reading them is a pass-through of what the launcher decided, not a switch. With one process in all
-(or no launcher), `Launch.from_environ` is None and tensor parallel starts its own workers on this host.
+Under `python -m paddle.distributed.launch` the launcher gives each process its place in standard variables
+(PADDLE_TRAINER_ID, PADDLE_TRAINERS_NUM, PADDLE_MASTER, PADDLE_LOCAL_RANK, PADDLE_LOCAL_SIZE,
+PADDLE_TRAINER_ENDPOINTS); reading them is a pass-through of what the launcher decided, not a switch. With one
+process in all (or no launcher), `Launch.from_environ` is None and tensor parallel starts its own workers on this host.
+
+Without a launcher, FastDeploy's `ips=` form runs the same command on every node: `Launch.from_ips` finds this
+node in the list (the address of it that is this host's), and the node's first rank starts the node's others.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class Launch:
     master_host: str  # rank 0's rendezvous store (PADDLE_MASTER)
     master_port: int
     endpoints: tuple[str, ...]  # every rank's host:port, by rank
+    starts_node_ranks: bool = False  # ips= without a launcher: this process starts local ranks 1.. of its node
 
     @property
     def nodes(self) -> list[str]:
@@ -53,6 +57,20 @@ class Launch:
             raise ValueError(f"PADDLE_MASTER must be HOST:PORT, got {master!r}; {_HINT}")
         return cls(rank, world, local_rank, local_size, host, int(port), endpoints)
 
+    @classmethod
+    def from_ips(cls, ips: list[str], world_size: int, port: int) -> Launch:
+        """This node's first rank, for the same command run on every node of `ips` (master first) without a
+        launcher: `world_size` ranks split evenly over the nodes, rank 0's store at ips[0]:`port`."""
+        if world_size % len(ips):
+            raise ValueError(f"tensor_parallel_size={world_size} does not split evenly over the {len(ips)} nodes of "
+                             f"ips={','.join(ips)}: each node runs tensor_parallel_size / len(ips) ranks")
+        if len(set(ips)) != len(ips):
+            raise ValueError(f"ips lists a node twice: {','.join(ips)}")
+        per_node = world_size // len(ips)
+        node = _this_node(ips, port)
+        endpoints = tuple(f"{ips[r // per_node]}:{port}" for r in range(world_size))
+        return cls(node * per_node, world_size, 0, per_node, ips[0], port, endpoints, per_node > 1)
+
     def check_rank_zero_here(self) -> None:
         """Rank 0 must be on the master's host: a node whose launcher could not tell its own address from the
         --ips list also takes rank 0 (and would wait for workers that never come)."""
@@ -61,6 +79,32 @@ class Launch:
                              f"{self.master_host} (PADDLE_MASTER) is not one of this host's: two nodes took rank 0. "
                              f"Give each node's launcher `--host <its own address>` and set GLOO_SOCKET_IFNAME to the "
                              f"interface of that address; {_HINT}")
+
+
+def _this_node(ips: list[str], port: int) -> int:
+    """The index in `ips` of this host's address. When it lists several (every node on one machine, to try it
+    out), the first started is the master (nothing answers at ips[0]:`port` yet) and the second the other."""
+    here = [i for i, ip in enumerate(ips) if is_local_address(ip)]
+    if not here:
+        raise ValueError(f"none of ips={','.join(ips)} is an address of this host; list every node's address as "
+                         "the other nodes reach it, the same list on every node")
+    if len(here) == 1:
+        return here[0]
+    if here[0] == 0 and not _answers(ips[0], port):
+        return 0
+    others = [i for i in here if i != 0]
+    if len(others) == 1:
+        return others[0]
+    raise ValueError(f"ips={','.join(ips)} lists {len(here)} addresses of this host, so it cannot tell which node it "
+                     "is; to run several nodes on one host, start them under paddle.distributed.launch with --rank")
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def is_local_address(host: str) -> bool:

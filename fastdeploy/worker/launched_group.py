@@ -1,7 +1,9 @@
-"""Tensor parallel over the processes Paddle's launcher started, on one or several hosts.
+"""Tensor parallel over ranks on one or several hosts, started by Paddle's launcher or by FastDeploy's `ips=` form.
 
-Every node runs the same script (or server) under `python -m paddle.distributed.launch`; each process builds
-its EngineConfig from its own arguments and finds its rank in the launcher's variables (config.launch).
+Every node runs the same script (or server), under `python -m paddle.distributed.launch` or with `ips=`; each
+process builds its EngineConfig from its own arguments and finds its rank in the launcher's variables or in `ips`
+(config.launch). Under `ips=`, a node's first rank starts the node's other ranks (`start_node_ranks`): children of
+this interpreter that read their place and the config from stdin (`main`).
 Rank 0 keeps the engine and, through `LaunchedGroup`, broadcasts each step to the other ranks as a binary
 message (step_codec.py) over the gloo group (distributed/gloo_comm.py). The other ranks never return from
 building their engine: `serve_steps` loads their shard, runs every step rank 0 sends, and ends the process with
@@ -16,7 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import dataclasses
 import os
+import pickle
+import signal
+import struct
+import subprocess
 import sys
 import threading
 import time
@@ -30,10 +37,14 @@ from fastdeploy.distributed.gloo_comm import (GLOO_TIMEOUT_S, HEARTBEAT_S, LOAD_
                                               Rendezvous)
 from fastdeploy.distributed.parallel_state import TPGroup
 from fastdeploy.worker import messages, step_codec
-from fastdeploy.worker.worker_group import WorkerError, deferred_sigint
+from fastdeploy.worker.worker_group import PACKAGE_ROOT, WorkerError, deferred_sigint
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_LENGTH = struct.Struct("<Q")
+_NODE_RANK_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); "
+                   "from fastdeploy.worker.launched_group import main; main()")
+_CHILD_EXIT_S = 30.0  # node ranks this process started finish within this once told to stop
 
 
 def agreed_fields(config: EngineConfig) -> dict[str, str]:
@@ -52,6 +63,7 @@ class _Member:
 
     def __init__(self, config: EngineConfig) -> None:
         launch = self.launch = config.launch
+        self.children = start_node_ranks(config) if launch.starts_node_ranks else []
         self.rendezvous = Rendezvous(launch, agreed_fields(config))
         self.comm = GlooComm(launch.rank, launch.world_size)
         self.tp = TPGroup(launch.rank, launch.world_size, self.comm)
@@ -67,7 +79,8 @@ class LaunchedGroup(_Member):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.ranks_here, self.pids = self.launch.local_size, []  # the other ranks' processes are not ours to see
+        # Only the ranks this process started (ips= form) are ours to see; the other nodes' and the launcher's are not.
+        self.ranks_here, self.pids = self.launch.local_size, [p.pid for p in self.children]
         self.closed = False
         self.owner_pid = os.getpid()
         self._lock = threading.Lock()  # one message and its collectives at a time: steps, heartbeats, stop
@@ -140,6 +153,12 @@ class LaunchedGroup(_Member):
                     self.rendezvous.announce_failure("rank 0 stopped before every rank had loaded")
             except (RankLost, RuntimeError) as e:
                 logger.warning("could not tell the other tensor-parallel ranks to stop: %s", e)
+        for child in self.children:
+            try:
+                child.wait(_CHILD_EXIT_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
 
 
 class _Silence:
@@ -206,3 +225,41 @@ def serve_steps(config: EngineConfig) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)  # skip the interpreter's teardown of paddle, and the rest of the user's script
+
+
+def start_node_ranks(config: EngineConfig) -> list[subprocess.Popen]:
+    """Under `ips=`: local ranks 1.. of this node (this process is its first), started and given their place."""
+    procs = []
+    for local_rank in range(1, config.launch.local_size):
+        proc = subprocess.Popen([sys.executable, "-c", _NODE_RANK_MAIN, PACKAGE_ROOT], stdin=subprocess.PIPE,
+                                start_new_session=True)
+        payload = pickle.dumps((config, local_rank))  # to our own child through a pipe: nobody else in between
+        proc.stdin.write(_LENGTH.pack(len(payload)) + payload)
+        proc.stdin.flush()  # and keep it open: its end-of-file tells the child that we are gone
+        procs.append(proc)
+    return procs
+
+
+def _read_stdin(n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = os.read(0, n - len(data))  # unbuffered: the parent-watch thread reads fd 0 after us
+        if not chunk:
+            raise SystemExit("a node's tensor-parallel rank takes its place from the node's first rank (ips=)")
+        data += chunk
+    return data
+
+
+def main() -> NoReturn:
+    """A node rank that `start_node_ranks` started."""
+    from fastdeploy.worker.tp_worker import exit_when_parent_goes
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the node's first rank's to handle
+    config, local_rank = pickle.loads(_read_stdin(_LENGTH.unpack(_read_stdin(_LENGTH.size))[0]))
+    first = config.launch
+    config.launch = dataclasses.replace(first, rank=first.rank + local_rank, local_rank=local_rank,
+                                        starts_node_ranks=False)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"[tensor-parallel rank {config.launch.rank}] %(levelname)s %(name)s: %(message)s")
+    threading.Thread(target=exit_when_parent_goes, name="parent-watch", daemon=True).start()
+    serve_steps(config)

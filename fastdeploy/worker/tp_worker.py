@@ -38,7 +38,7 @@ def _read_line(fd: int) -> bytes:
     return line
 
 
-def _exit_when_parent_goes() -> None:
+def exit_when_parent_goes() -> None:
     """Block on stdin; rank 0 never writes after the bootstrap line, so end-of-file means it is gone."""
     try:
         while os.read(0, 4096):  # the raw fd: a buffered reader's lock would trouble interpreter shutdown
@@ -137,7 +137,7 @@ def main() -> None:
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
     root.propagate = False
-    threading.Thread(target=_exit_when_parent_goes, name="parent-watch", daemon=True).start()
+    threading.Thread(target=exit_when_parent_goes, name="parent-watch", daemon=True).start()
     sock = channel.connect(int(bootstrap["port"]))
     sock.sendall(bytes.fromhex(bootstrap["token"]) + HELLO.pack(rank))
     worker = Worker(sock, rank, world_size, int(bootstrap["segment"]), int(bootstrap["cores"]))

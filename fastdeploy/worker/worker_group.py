@@ -45,7 +45,7 @@ HELLO = struct.Struct("<I")  # the worker's rank, after its token
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 5.0
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _WORKER_MAIN = "import sys; sys.path.insert(0, sys.argv[1]); from fastdeploy.worker.tp_worker import main; main()"
 _live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 
@@ -120,7 +120,7 @@ class WorkerGroup:
 
     def _spawn(self, rank: int, token: bytes, segment: int) -> None:
         # This interpreter, importing this very fastdeploy (which may not be installed where the child looks).
-        proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, _PACKAGE_ROOT], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, PACKAGE_ROOT], stdin=subprocess.PIPE,
                                 stdout=subprocess.DEVNULL, start_new_session=True, pass_fds=(segment,))
         self.procs.append(proc)
         bootstrap = {"rank": rank, "world_size": self.size, "port": self.port, "token": token.hex(),
