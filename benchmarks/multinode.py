@@ -5,7 +5,7 @@ against tp=2 on one host (shared-memory collectives), same run.
     .venv/bin/python benchmarks/multinode.py --model PATH --quantization wint4 --json out.json
 
 Three parts:
-  collectives  the gloo group's all-reduce (ring), gather to rank 0 and step broadcast between two launched ranks,
+  collectives  the ranks' ring (tcp_ring.py): all-reduce, gather to rank 0 and step broadcast between two launched ranks,
                per message size: median microseconds of --reps calls (the floor a real network adds its wire time to)
   decode       one-stream decode and --streams-stream output tok/s (greedy, --tokens each, no EOS): tp=2 on one host
                against tp=2 as two loopback nodes
@@ -13,9 +13,8 @@ Three parts:
                (and ERNIE-4.5-21B-A3B's and -300B-A47B's): activations are float32, so each all-reduce moves
                hidden x 4 bytes per token each way; rank 1 sends its half of the logits of each sampled row
 Each loopback "node" runs its rank with half of the cores' threads (ops.limit_cores), as tp=2 on one host does, so
-both setups compute alike and differ in the transport. (Pinning each node to its own core instead would make gloo's
-all-reduce ~10x slower: its I/O thread and the rank's would share one core.) Prints the kernels' ISA: compare
-figures only between runs on the same kind of machine.
+both setups compute alike and differ in the transport. Prints the kernels' ISA: compare figures only between runs
+on the same kind of machine.
 """
 from __future__ import annotations
 
@@ -68,14 +67,15 @@ def collectives(reps: int, hidden: int, vocab: int) -> dict[str, float]:
     """Median microseconds per call on the launched group (run by each rank; rank 0's figures are kept)."""
     import paddle
 
-    from fastdeploy.distributed.gloo_comm import GlooComm, Rendezvous
     from fastdeploy.distributed.launch import Launch
+    from fastdeploy.distributed.rendezvous import Rendezvous
+    from fastdeploy.distributed.tcp_ring import RingComm
 
     launch = Launch.from_environ()
     rendezvous = Rendezvous(launch, {})
     rendezvous.barrier("bench", 60)
-    comm = GlooComm(launch.rank, launch.world_size)
-    comm.attach(rendezvous.process_group())
+    comm = RingComm(launch.rank, launch.world_size)
+    comm.connect(rendezvous.store, launch.endpoints[launch.rank].rsplit(":", 1)[0])
     cases = {f"all-reduce {rows} x {hidden} fp32": lambda rows=rows: comm.all_reduce(paddle.ones([rows, hidden]))
              for rows in (1, 16, 256)}
     cases[f"gather to rank 0, 1 x {vocab // 2} fp32"] = lambda: comm.gather_to_first(paddle.ones([1, vocab // 2]))
@@ -103,15 +103,15 @@ def wire_bytes(hidden: int, layers: int, vocab: int) -> dict[str, float]:
 
 def as_rank(args: argparse.Namespace) -> None:
     """Under the launcher: rank 0 measures and writes args.out; the other rank serves."""
+    from fastdeploy import ops
+
+    ops.limit_cores(max(1, len(os.sched_getaffinity(0)) // 2))  # two "hosts" share this one's cores
     if args.role == "collectives":
         hidden, vocab = json.loads(args.shape)
         times = collectives(args.reps, hidden, vocab)
         if int(os.environ["PADDLE_TRAINER_ID"]) == 0:
             Path(args.out).write_text(json.dumps(times))
         return
-    from fastdeploy import ops
-
-    ops.limit_cores(max(1, len(os.sched_getaffinity(0)) // 2))  # two "hosts" share this one's cores
     llm = LLM(model=args.model, tensor_parallel_size=2, quantization=args.quantization, max_num_seqs=args.streams)
     Path(args.out).write_text(json.dumps(decode_rates(llm, args.streams, args.tokens)))
 
@@ -158,7 +158,7 @@ def main() -> None:
     results["one host, tp=2 (shared memory)"] = decode_rates(
         LLM(model=args.model, tensor_parallel_size=2, quantization=args.quantization, max_num_seqs=args.streams),
         args.streams, args.tokens)
-    results["two loopback nodes, tp=2 (gloo)"] = launched(args, "decode", [])
+    results["two loopback nodes, tp=2 (TCP ring)"] = launched(args, "decode", [])
     results["bytes at tp=2"] = {name: wire_bytes(*s) for name, s in {"this model": shape, **SHAPES}.items()}
     print(json.dumps(results, indent=2))
     if args.json:

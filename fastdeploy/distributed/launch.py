@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 _HINT = ("start every node with the same `python -m paddle.distributed.launch --master HOST:PORT --nnodes N` "
-         "(or `--ips ip1,ip2` with `--host <this node's address>`), see docs/distributed.md")
+         "(or `--ips ip1,ip2` with `--host <this node's address>`), or without it pass ips=, see docs/distributed.md")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +77,7 @@ class Launch:
         if self.rank == 0 and not is_local_address(self.master_host):
             raise ValueError(f"paddle.distributed.launch made this process rank 0, but the master address "
                              f"{self.master_host} (PADDLE_MASTER) is not one of this host's: two nodes took rank 0. "
-                             f"Give each node's launcher `--host <its own address>` and set GLOO_SOCKET_IFNAME to the "
-                             f"interface of that address; {_HINT}")
+                             f"Give each node's launcher `--host <its own address>`; {_HINT}")
 
 
 def _this_node(ips: list[str], port: int) -> int:

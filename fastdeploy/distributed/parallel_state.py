@@ -3,7 +3,8 @@
 Layers read `current_tp()` while they are constructed (inside `building_for(tp)`) and keep that
 group, so two models with different tensor-parallel sizes can live in one process. With one rank
 every collective is the identity and the layers are exactly the single-process ones. The ranks of one
-host exchange tensors through shared memory (shm_comm.py), ranks on several hosts through gloo (gloo_comm.py).
+host exchange tensors through shared memory (shm_comm.py), ranks on several hosts through a ring of TCP
+connections (tcp_ring.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import paddle
 class TPGroup:
     rank: int = 0
     size: int = 1
-    comm: Any = None  # the ranks' ShmComm (one host) or GlooComm (several); None for a single rank
+    comm: Any = None  # the ranks' ShmComm (one host) or RingComm (several); None for a single rank
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """Sum of x over the ranks, bitwise identical on every rank (MoE routing, computed by each rank on its

@@ -5,20 +5,21 @@ process builds its EngineConfig from its own arguments and finds its rank in the
 (config.launch). Under `ips=`, a node's first rank starts the node's other ranks (`start_node_ranks`): children of
 this interpreter that read their place and the config from stdin (`main`).
 Rank 0 keeps the engine and, through `LaunchedGroup`, broadcasts each step to the other ranks as a binary
-message (step_codec.py) over the gloo group (distributed/gloo_comm.py). The other ranks never return from
-building their engine: `serve_steps` loads their shard, runs every step rank 0 sends, and ends the process with
-status 0 when rank 0 stops (its LLM closed or its interpreter exiting), or 1 when the group breaks.
+message (step_codec.py) round the ranks' ring of connections (distributed/tcp_ring.py). The other ranks never
+return from
+building their engine: `serve_steps` loads their shard, runs every step rank 0 sends, and ends the process
+with status 0 when rank 0 stops (its LLM closed or its interpreter exiting), or 1 when the group breaks.
 
 Startup: every rank meets at rank 0's store and proves it has the same engine arguments and checkpoint; each
 loads its shard (which needs only its rank and size); all wait until every rank has loaded (LOAD_TIMEOUT_S),
-join the gloo group and take the smallest of the ranks' KV block counts (each sized from its own host's memory).
+join the ring and take the smallest of the ranks' KV block counts (each sized from its own host's memory).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
-import dataclasses
 import os
 import pickle
 import signal
@@ -33,15 +34,16 @@ from typing import NoReturn, TypeVar
 
 from fastdeploy import ops
 from fastdeploy.config import EngineConfig
-from fastdeploy.distributed.gloo_comm import (GLOO_TIMEOUT_S, HEARTBEAT_S, LOAD_TIMEOUT_S, GlooComm, RankLost,
-                                              Rendezvous)
 from fastdeploy.distributed.parallel_state import TPGroup
+from fastdeploy.distributed.rendezvous import LOAD_TIMEOUT_S, RankLost, Rendezvous
+from fastdeploy.distributed.tcp_ring import RingComm
 from fastdeploy.worker import messages, step_codec
 from fastdeploy.worker.worker_group import PACKAGE_ROOT, WorkerError, deferred_sigint
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _LENGTH = struct.Struct("<Q")
+HEARTBEAT_S = 5.0  # an idle rank 0 sends a Noop this often, well inside the ring's timeout the others wait with
 _NODE_RANK_MAIN = ("import sys; sys.path.insert(0, sys.argv[1]); "
                    "from fastdeploy.worker.launched_group import main; main()")
 _CHILD_EXIT_S = 30.0  # node ranks this process started finish within this once told to stop
@@ -65,17 +67,17 @@ class _Member:
         launch = self.launch = config.launch
         self.children = start_node_ranks(config) if launch.starts_node_ranks else []
         self.rendezvous = Rendezvous(launch, agreed_fields(config))
-        self.comm = GlooComm(launch.rank, launch.world_size)
+        self.comm = RingComm(launch.rank, launch.world_size)
         self.tp = TPGroup(launch.rank, launch.world_size, self.comm)
 
     def wait_loaded(self) -> None:
-        """Every rank has its shard: form the gloo group."""
+        """Every rank has its shard: join the ring."""
         self.rendezvous.barrier("loaded", LOAD_TIMEOUT_S)
-        self.comm.attach(self.rendezvous.process_group())
+        self.comm.connect(self.rendezvous.store, self.launch.endpoints[self.launch.rank].rsplit(":", 1)[0])
 
 
 class LaunchedGroup(_Member):
-    """Rank 0's side: the other ranks of the launch, reached through the gloo group. Same surface as WorkerGroup."""
+    """Rank 0's side: the other ranks of the launch, reached through the ring. Same surface as WorkerGroup."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -91,7 +93,7 @@ class LaunchedGroup(_Member):
 
     def wait_loaded(self) -> None:
         super().wait_loaded()
-        # Idle ranks wait for rank 0 in a broadcast, which gloo gives up after 30 s: keep them hearing from it.
+        # Idle ranks wait for rank 0's next message, and give up after the ring's timeout: keep them hearing from it.
         threading.Thread(target=self._heartbeat, name="fastdeploy-tp-heartbeat", daemon=True).start()
 
     def allocate_kv(self, num_blocks: int) -> int:
@@ -153,40 +155,13 @@ class LaunchedGroup(_Member):
                     self.rendezvous.announce_failure("rank 0 stopped before every rank had loaded")
             except (RankLost, RuntimeError) as e:
                 logger.warning("could not tell the other tensor-parallel ranks to stop: %s", e)
+            self.comm.close()
         for child in self.children:
             try:
                 child.wait(_CHILD_EXIT_S)
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-
-
-class _Silence:
-    """Ends a rank > 0 whose wait for rank 0's next message outlasts the bound. Rank 0 sends at least a heartbeat
-    every HEARTBEAT_S, and gloo gives up on a silent but connected rank 0 after its timeout; but a wait whose peer
-    was killed can outlive that (the connection's reset does not reach a pending receive), so a thread watches."""
-
-    BOUND_S = GLOO_TIMEOUT_S + 10.0
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.since = rank, None
-        threading.Thread(target=self._watch, name="fastdeploy-tp-silence", daemon=True).start()
-
-    def __enter__(self) -> None:
-        self.since = time.monotonic()
-
-    def __exit__(self, *exc: object) -> None:
-        self.since = None
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(1.0)
-            since = self.since
-            if since is not None and time.monotonic() - since > self.BOUND_S:
-                logger.error("tensor-parallel rank %d: nothing from rank 0 for %.0f s (it sends at least every "
-                             "%.0f s): it is gone or hung; stopping", self.rank, self.BOUND_S, HEARTBEAT_S)
-                sys.stderr.flush()
-                os._exit(1)
 
 
 def serve_steps(config: EngineConfig) -> NoReturn:
@@ -211,10 +186,8 @@ def serve_steps(config: EngineConfig) -> NoReturn:
         caches = rank_kv_caches(config, blocks, tp.size)
         logger.info("tensor-parallel rank %d of %d serves rank 0's steps (%d KV blocks)", launch.rank, tp.size, blocks)
         steps = StepServer(model, caches, config.block_size)
-        silence = _Silence(launch.rank)
         while True:
-            with silence:
-                message = step_codec.decode(member.comm.receive())
+            message = step_codec.decode(member.comm.receive())
             if isinstance(message, messages.Stop):
                 status = 0
                 break

@@ -66,7 +66,7 @@ class Stop:
 
 @dataclass(slots=True)
 class Noop:
-    """Nothing to do: rank 0 is idle (ranks on other hosts must hear from it within gloo's timeout)."""
+    """Nothing to do: rank 0 is idle (ranks on other hosts must hear from it within the ring's timeout)."""
 
 
 # Worker -> rank 0
