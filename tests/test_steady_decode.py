@@ -115,3 +115,32 @@ def test_engine_decoding_moved_on_steps_gives_transformers_tokens(tiny_hf, max_n
                            use_tqdm=False)
     assert [o.outputs.token_ids for o in outputs] == [c["output_token_ids"] for c in ref["cases"]]
     assert steady.moved > len(ref["cases"]) * (ref["max_new_tokens"] // 2) // max_num_seqs
+
+
+def test_drafting_rows_that_take_the_argmax_share_one_batch_that_samples_alike() -> None:
+    """A drafting step's rows that are all greedy on untouched logits get one shared read-only batch; any row that
+    penalises, bans (bad words, below min_tokens at its position) or samples takes the built one; and the shared
+    batch gives the built batch's tokens."""
+    from fastdeploy.engine import step_builder
+    from fastdeploy.sampling import policy
+    from fastdeploy.sampling.reference import sample_numpy
+
+    def request(**params) -> Request:
+        return Request(request_id="r", prompt_token_ids=[3, 4, 5], params=Params(**params).with_model_defaults({}),
+                       max_tokens=20, eos_token_ids=frozenset({1}), generator=np.random.default_rng(0),
+                       metrics=RequestMetrics(arrival_time=0.0), token_ids=[3, 4, 5, 6])  # one output token
+
+    plain = [request(temperature=0), request(top_k=1, temperature=0.7), request(temperature=0, min_tokens=3)]
+    rows, offsets = [plain[0]] * 3 + [plain[1], plain[2]], [0, 1, 2, 0, 2]  # the last at output position 3
+    shared = step_builder.sampling_batch(rows, offsets)
+    assert shared is step_builder.sampling_batch(rows[:4] + [plain[0]], offsets) and shared.plain_greedy()
+    assert step_builder.sampling_batch(rows, [0, 1, 2, 0, 1]) is not shared  # the last row below min_tokens
+    built = policy.sampling_batch([r.params for r in rows], [r.prompt_token_ids for r in rows],
+                                  [[] for _ in rows], [[] for _ in rows], lambda i: 0.0)
+    logits = np.random.default_rng(1).standard_normal((len(rows), 50)).astype(np.float32)
+    want = sample_numpy(logits.copy(), built, built.greedy_mask(), built.uniforms)
+    np.testing.assert_array_equal(sample_numpy(logits.copy(), shared, shared.greedy_mask(), shared.uniforms), want)
+    for other in (dict(temperature=0, repetition_penalty=1.2), dict(temperature=0, min_tokens=5),
+                  dict(temperature=0, presence_penalty=0.5),
+                  dict(temperature=0, bad_words_token_ids=[7]), dict(temperature=0.8, seed=1)):
+        assert step_builder.sampling_batch([plain[0], request(**other)], [0, 1]) is not shared
