@@ -108,37 +108,36 @@ def checkpoint_has_mtp(tensor_names: Sequence[str]) -> bool:
     return any(".mtp_linear_proj.0." in n for n in tensor_names)
 
 
-PROBE_EVERY = 8  # a request whose drafts do not pay still drafts one token this often, to notice when they would
+# Every this many steps a request whose drafts do not pay still drafts one token, to notice when they would; all
+# requests on the same steps, so that the steps between stay plain decoding (moved on in place).
+PROBE_EVERY = 8
 
 
 class Drafter:
     """A request's draft source, with how often its drafts were accepted: the scheduler drafts only as many tokens
     as pay for themselves in the step at hand (`length`)."""
 
-    __slots__ = ("k", "verified", "accepted", "idle")
+    __slots__ = ("k", "verified", "accepted")
     runs_in_step = False  # whether the model runner makes the drafts (MTP) rather than the scheduler
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.verified = self.accepted = 0  # draft positions compared with the model's token, and kept
-        self.idle = 0  # steps since it last drafted
 
     def record(self, verified: int, accepted: int) -> None:
         self.verified += verified
         self.accepted += accepted
 
-    def length(self, threshold: float) -> int:
+    def length(self, threshold: float, probe: bool = False) -> int:
         """Drafts worth verifying when a draft must be kept with probability above `threshold` to pay for its
         position in the step (Scheduler._draft_threshold). The j-th draft is kept with about a^j, a being this
-        request's acceptance so far (with a prior of one kept and one rejected)."""
+        request's acceptance so far (with a prior of one kept and one rejected). On a `probe` step one draft is
+        tried even when none pays: the acceptance or the step's cost may have changed."""
         rate = (self.accepted + 1) / (self.verified + 2)
         n, kept = 0, rate
         while n < self.k and kept > threshold:
             n, kept = n + 1, kept * rate
-        self.idle = 0 if n else self.idle + 1
-        if self.idle >= PROBE_EVERY:
-            n, self.idle = 1, 0
-        return n
+        return 1 if n == 0 and probe else n
 
 
 class NgramDrafter(Drafter):

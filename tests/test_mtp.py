@@ -399,7 +399,7 @@ def test_num_model_steps_caps_the_layers_drafts_and_ngram_adds_the_rest(tmp_path
 
     monkeypatch.setattr(Scheduler, "update_from_output", steered_update)
     monkeypatch.setattr(MtpDrafter, "propose", recorded_propose)
-    monkeypatch.setattr(MtpDrafter, "length", lambda drafter, threshold: drafter.k)
+    monkeypatch.setattr(MtpDrafter, "length", lambda drafter, threshold, probe=False: drafter.k)
     for strategy in ("default", "with_ngram"):
         made.clear(), proposed.clear()
         spec = {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 2, "mtp_strategy": strategy}

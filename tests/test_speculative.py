@@ -148,7 +148,7 @@ class OracleDrafter(Drafter):
         self.k = 5  # drafts at most
         return self
 
-    def length(self, threshold: float) -> int:
+    def length(self, threshold: float, probe: bool = False) -> int:
         return self.k  # every draft verified: the test is of the verification
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
@@ -268,7 +268,7 @@ def test_ngram_drafts_on_the_demo_model_are_accepted_and_change_nothing(monkeypa
     would make the count below depend on the machine's load."""
     from pathlib import Path
 
-    monkeypatch.setattr(Drafter, "length", lambda drafter, threshold: drafter.k)
+    monkeypatch.setattr(Drafter, "length", lambda drafter, threshold, probe=False: drafter.k)
 
     demo = str(Path(__file__).parents[1] / "models" / "ernie-4.5-demo")
     prompts = ["The list type is a mutable sequence type. The list type", "class C:\n    def __init__(self, value):\n"]
@@ -282,15 +282,24 @@ def test_ngram_drafts_on_the_demo_model_are_accepted_and_change_nothing(monkeypa
 
 def test_draft_length_follows_acceptance_and_the_steps_cost() -> None:
     """The j-th draft is verified while a^j beats the threshold (a: acceptance with a 1/2 prior); a request
-    whose drafts do not pay still drafts one token every PROBE_EVERY steps."""
+    whose drafts do not pay still drafts one token on the scheduler's probe steps (every PROBE_EVERY-th, the same
+    for every request)."""
+    from fastdeploy.engine.block_manager import BlockManager
+    from fastdeploy.engine.scheduler import Scheduler
     from fastdeploy.speculative import PROBE_EVERY
 
     drafter = Drafter(SpeculativeConfig("ngram", 4))
     assert drafter.length(0.0) == 4 and drafter.length(0.49) == 1 and drafter.length(0.5) == 0
     drafter.record(98, 88)  # a = 0.89: 0.89, 0.79, 0.70, 0.63
     assert [drafter.length(t) for t in (0.1, 0.65, 0.75, 0.85)] == [4, 3, 2, 1]
-    lengths = [drafter.length(0.95) for _ in range(3 * PROBE_EVERY)]
-    assert lengths == ([0] * (PROBE_EVERY - 1) + [1]) * 3
+    assert [drafter.length(0.95, probe) for probe in (False, True)] == [0, 1]
+    assert drafter.length(0.1, probe=True) == 4 and drafter.length(1.0, probe=True) == 1
+    scheduler = Scheduler(BlockManager(64, 16, False), 64, 2048, True)
+    probes = []
+    for _ in range(3 * PROBE_EVERY):
+        scheduler.schedule()
+        probes.append(scheduler._probing())
+    assert probes == ([False] * (PROBE_EVERY - 1) + [True]) * 3
 
 
 def test_draft_threshold_from_the_measured_step_line() -> None:
@@ -301,6 +310,8 @@ def test_draft_threshold_from_the_measured_step_line() -> None:
     assert scheduler._draft_threshold() == 0.0  # the line is not known yet
     scheduler.prefill_budget.seconds.update({1: 0.011, 16: 0.026, 64: 0.074})  # 10 ms fixed, 1 ms per token
     scheduler.running = [object()] * 16
-    assert scheduler._draft_threshold() == pytest.approx(16 / 26, rel=1e-6)
+    assert scheduler._draft_threshold() == pytest.approx(1.1 * 16 / 26, rel=1e-6)  # with the 10 % margin
     scheduler.running = [object()]
-    assert scheduler._draft_threshold() == pytest.approx(1 / 11, rel=1e-6)
+    assert scheduler._draft_threshold() == pytest.approx(1.1 * 1 / 11, rel=1e-6)
+    scheduler.running = [object()] * 128
+    assert scheduler._draft_threshold() == 1.0  # 1.1 x 128 / 138 > 1: compute-bound, nothing pays
