@@ -174,7 +174,7 @@ class Scheduler:
         per_token x B), B being the requests in the batch: near 0 at one stream (a step is the weights'
         streaming), near 1 when the batch is compute-bound. 0 (draft all) until the line is known. The break-even
         is raised by DRAFT_MARGIN for what the line does not see: a drafting step is built anew (not moved on in
-        place) and its drafts looked up, so near 1 (a compute-bound batch) nothing is drafted."""
+        place) and its drafts looked up, so near 1 (a compute-bound batch) nothing but the probes is drafted."""
         line = self.prefill_budget.line()
         if line is None:
             return 0.0

@@ -6,9 +6,8 @@ process builds its EngineConfig from its own arguments and finds its rank in the
 this interpreter that read their place and the config from stdin (`main`).
 Rank 0 keeps the engine and, through `LaunchedGroup`, broadcasts each step to the other ranks as a binary
 message (step_codec.py) round the ranks' ring of connections (distributed/tcp_ring.py). The other ranks never
-return from
-building their engine: `serve_steps` loads their shard, runs every step rank 0 sends, and ends the process
-with status 0 when rank 0 stops (its LLM closed or its interpreter exiting), or 1 when the group breaks.
+return from building their engine: `serve_steps` loads their shard, runs every step rank 0 sends, and ends the
+process with status 0 when rank 0 stops (its LLM closed or its interpreter exiting), or 1 when the group breaks.
 
 Startup: every rank meets at rank 0's store and proves it has the same engine arguments and checkpoint; each
 loads its shard (which needs only its rank and size); all wait until every rank has loaded (LOAD_TIMEOUT_S),
