@@ -15,7 +15,9 @@ against ours measured the same way (after the first token).
 `--random SHAPE --layers N` writes (once, into benchmarks/.cache) a random checkpoint of that shape cut to N layers,
 with an MTP layer (tools/random_checkpoint.py). Each (workload, streams) pair runs plain and with
 speculative_config alternately, --repeats times each, on one LLM per setting; the best of each is reported with the
-ratio and the accepted share of the drafts (one stream: decode tok/s after the first token; more: output tok/s).
+ratio and the accepted share of the drafts (one stream: decode tok/s after the first token; more: output tok/s);
+"paired ratio" is the median over the repeats of each speculative run's rate over the plain run just before it,
+which a machine whose speed drifts between runs moves less than the ratio of the bests.
 `--speculative-config JSON` replaces the config built from --method and --num-speculative-tokens (e.g. MTP with
 "mtp_strategy": "with_ngram"). Prints the kernels' ISA: compare figures only between runs on the same
 kind of machine.
@@ -143,27 +145,28 @@ def main() -> None:
             batch = prompts(workload, n, seed=n, vocab=vocab)
             for llm in llms.values():  # warm-up
                 run(llm, batch[:1], 8)
-            best = {"plain": 0.0, "spec": 0.0}
+            rates: dict[str, list[float]] = {"plain": [], "spec": []}
             drafted = accepted = 0
             for _ in range(args.repeats):
                 for name, llm in llms.items():
                     rate, d, a = run(llm, batch, args.max_tokens)
-                    best[name] = max(best[name], rate)
+                    rates[name].append(rate)
                     if name == "spec":
                         drafted, accepted = d, a
                     bar.update()
-            rows.append(dict(workload=workload, streams=n, plain=best["plain"], spec=best["spec"], method=args.method,
-                             drafted=drafted, accepted=accepted, isa=rt["active_isa"], model=args.model,
-                             quantization=args.quantization))
+            paired = float(np.median(np.divide(rates["spec"], rates["plain"])))
+            rows.append(dict(workload=workload, streams=n, plain=max(rates["plain"]), spec=max(rates["spec"]),
+                             paired=paired, method=args.method, drafted=drafted, accepted=accepted,
+                             isa=rt["active_isa"], model=args.model, quantization=args.quantization))
             if args.llama_bin and workload == "copy" and n == 1:
                 rows[-1].update(llama_cpp(args.llama_bin, args.gguf, batch[0], args.max_tokens,
                                           args.num_speculative_tokens, args.repeats))
-    print(f"| workload | streams | plain tok/s | {args.method} tok/s | ratio | drafts accepted |")
-    print("|---|---|---|---|---|---|")
+    print(f"| workload | streams | plain tok/s | {args.method} tok/s | ratio | paired ratio | drafts accepted |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         share = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "no drafts"
         print(f"| {r['workload']} | {r['streams']} | {r['plain']:.1f} | {r['spec']:.1f} | "
-              f"{r['spec'] / r['plain']:.2f}x | {share} |")
+              f"{r['spec'] / r['plain']:.2f}x | {r['paired']:.2f}x | {share} |")
     for r in rows:
         if "llama_lookup" in r:
             print(f"llama.cpp, copy, one stream: llama-bench tg {r['llama_plain']:.1f} tok/s, llama-lookup "
