@@ -25,7 +25,7 @@ _PARAM_CHECKS = (
 
 
 def greedy_rows(temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> np.ndarray:
-    """Which rows take the argmax instead of drawing."""
+    """Which rows take the argmax instead of drawing (arrays, or one row's plain values)."""
     return (temperature < GREEDY_TEMPERATURE) | (top_p <= 0) | (top_k == 1)
 
 

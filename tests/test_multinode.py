@@ -36,7 +36,7 @@ import pytest
 from conftest import FIXTURES
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.distributed import rendezvous, tcp_ring
-from fastdeploy.distributed.launch import Launch, is_local_address
+from fastdeploy.distributed.launch import Launch, answers, is_local_address
 from fastdeploy.step_types import ForwardBatch, VisionSlice
 from fastdeploy.worker import messages, step_codec
 from fastdeploy.worker.step_codec import MessageError
@@ -93,14 +93,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def answers(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 def launch(tmp_path: Path, node: int, port: int, args: list[str], nnodes: int = 2, nproc: int = 1
@@ -258,7 +250,7 @@ def test_ips_without_a_launcher(tmp_path: Path) -> None:
         log.parent.mkdir()
         nodes.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True))
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while node == 0 and not answers(port):  # the master's store is up
+        while node == 0 and not answers("127.0.0.1", port):  # the master's store is up
             assert nodes[0].poll() is None and time.monotonic() < deadline, logs(tmp_path)
             time.sleep(0.2)
     assert finish(nodes, tmp_path) == [0, 0], logs(tmp_path)

@@ -89,7 +89,7 @@ def _this_node(ips: list[str], port: int) -> int:
                          "the other nodes reach it, the same list on every node")
     if len(here) == 1:
         return here[0]
-    if here[0] == 0 and not _answers(ips[0], port):
+    if here[0] == 0 and not answers(ips[0], port):
         return 0
     others = [i for i in here if i != 0]
     if len(others) == 1:
@@ -98,7 +98,8 @@ def _this_node(ips: list[str], port: int) -> int:
                      "is; to run several nodes on one host, start them under paddle.distributed.launch with --rank")
 
 
-def _answers(host: str, port: int) -> bool:
+def answers(host: str, port: int) -> bool:
+    """Whether something accepts connections at host:port."""
     try:
         socket.create_connection((host, port), timeout=2.0).close()
         return True

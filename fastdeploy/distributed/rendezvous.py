@@ -8,11 +8,10 @@ its collectives run over (tcp_ring.py), whose addresses it finds in the store.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Mapping
 
-from fastdeploy.distributed.launch import Launch
+from fastdeploy.distributed.launch import Launch, answers
 
 STORE_TIMEOUT_S = 300  # every rank must reach the store within this long of rank 0
 LOAD_TIMEOUT_S = 3600.0  # every rank must have loaded its shard within this long of the first
@@ -81,13 +80,9 @@ class Rendezvous:
 def _wait_for_master(launch: Launch) -> None:
     """Paddle's store client retries forever; see first that the master's port answers, within the bound."""
     deadline = time.monotonic() + STORE_TIMEOUT_S
-    while True:
-        try:
-            socket.create_connection((launch.master_host, launch.master_port), timeout=2.0).close()
-            return
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise RankLost(f"rank {launch.rank} could not reach the master {launch.master_host}:"
-                               f"{launch.master_port} ({_MASTER}) within {STORE_TIMEOUT_S} s ({e}): check that "
-                               "address and that this port is open between the hosts") from e
-            time.sleep(0.5)
+    while not answers(launch.master_host, launch.master_port):
+        if time.monotonic() > deadline:
+            raise RankLost(f"rank {launch.rank} could not reach the master {launch.master_host}:"
+                           f"{launch.master_port} ({_MASTER}) within {STORE_TIMEOUT_S} s: check that address and "
+                           "that this port is open between the hosts")
+        time.sleep(0.5)

@@ -22,11 +22,11 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable
 
 import numpy as np
 import paddle
 
+from fastdeploy.distributed.launch import is_local_address
 from fastdeploy.distributed.rendezvous import RankLost
 
 TIMEOUT_S = 30.0  # a collective that a rank does not join for this long fails
@@ -56,7 +56,7 @@ class RingComm:
         if self.rank == 0:
             store.set("fastdeploy/ring/token", secrets.token_bytes(16))
         token = bytes(store.get("fastdeploy/ring/token"))
-        with socket.create_server((host if _can_bind(host) else "", 0)) as listener:
+        with socket.create_server((host if is_local_address(host) else "", 0)) as listener:
             store.set(f"fastdeploy/ring/{self.rank}", f"{host}:{listener.getsockname()[1]}".encode())
             peer_host, _, port = bytes(store.get(f"fastdeploy/ring/{(self.rank + 1) % self.size}")).decode() \
                 .rpartition(":")
@@ -171,13 +171,19 @@ class RingComm:
             moved = False
             try:
                 if got < into_len:
-                    n = _nonblocking(lambda: self._prev.recv_into(into[got:]))
+                    try:
+                        n = self._prev.recv_into(into[got:])
+                    except (BlockingIOError, InterruptedError):  # nothing to read yet
+                        n = -1
                     if n == 0:
                         raise ConnectionResetError("closed")
-                    got, moved = got + (n or 0), moved or n is not None
+                    if n > 0:
+                        got, moved = got + n, True
                 if sent < out_len and (got == into_len or not receive_first):
-                    n = _nonblocking(lambda: self._next.send(out[sent:]))
-                    sent, moved = sent + (n or 0), moved or n is not None
+                    try:
+                        sent, moved = sent + self._next.send(out[sent:]), True
+                    except (BlockingIOError, InterruptedError):  # the send buffer is full
+                        pass
             except OSError as e:
                 raise RankLost(f"tensor-parallel {what} failed: another rank exited, or the network between them "
                                f"broke ({e})") from e
@@ -196,14 +202,6 @@ class RingComm:
 
 
 _DTYPES = (paddle.float32, paddle.float16, paddle.float64, paddle.int32, paddle.int64)  # numpy's too
-
-
-def _nonblocking(io: Callable[[], int]) -> int | None:
-    """The bytes `io` moved, or None when the socket was not ready."""
-    try:
-        return io()
-    except (BlockingIOError, InterruptedError):
-        return None
 
 
 def _numpy(x: paddle.Tensor) -> np.ndarray:
@@ -231,10 +229,3 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         data += chunk
     return data
 
-
-def _can_bind(host: str) -> bool:
-    try:
-        with socket.create_server((host, 0)):
-            return True
-    except OSError:
-        return False

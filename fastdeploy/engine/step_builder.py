@@ -29,7 +29,8 @@ from fastdeploy.engine.request import Request
 from fastdeploy.model_executor.models.ernie4_5_vl.step_inputs import chunk_inputs
 from fastdeploy.sampling import policy as sampling_policy
 from fastdeploy.sampling.policy import sampler_alone
-from fastdeploy.step_types import GREEDY_TEMPERATURE, ForwardBatch, MtpRows, SamplingBatch, SchedulerOutput, VisionSlice
+from fastdeploy.step_types import (ForwardBatch, MtpRows, SamplingBatch, SchedulerOutput, VisionSlice,
+                                   greedy_rows)
 
 
 @dataclass(slots=True)
@@ -72,7 +73,7 @@ def sampling_batch(requests: list[Request], offsets: list[int] | None = None) ->
 def _argmax_row(request: Request, offset: int) -> bool:
     """Whether the row takes the argmax of logits nothing changes (greedy; no penalty, bad word or min_tokens ban)."""
     p = request.params
-    return ((p.temperature < GREEDY_TEMPERATURE or p.top_k == 1 or p.top_p <= 0) and p.repetition_penalty == 1
+    return (greedy_rows(p.temperature, p.top_p, p.top_k) and p.repetition_penalty == 1
             and p.frequency_penalty == 0 and p.presence_penalty == 0 and not request.bad_words
             and request.num_output_tokens + offset >= p.min_tokens)
 
