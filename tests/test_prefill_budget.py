@@ -1,4 +1,4 @@
-"""Chunked prefill's budget while requests decode (PrefillBudget in engine/prefill_budget.py), with a fake
+"""Chunked prefill's budget while requests decode (PrefillBudget in engine/scheduler.py), with a fake
 clock: every step "takes" FIXED + PER_TOKEN x its tokens, so the caps below are worked out by hand from that cost."""
 import numpy as np
 import pytest
@@ -6,8 +6,7 @@ import pytest
 from conftest import TINY_HF
 from fastdeploy.config import EngineConfig
 from fastdeploy.engine.block_manager import BlockManager
-from fastdeploy.engine.prefill_budget import MIN_PREFILL_TOKENS, PrefillBudget
-from fastdeploy.engine.scheduler import Scheduler
+from fastdeploy.engine.scheduler import MIN_PREFILL_TOKENS, PrefillBudget, Scheduler
 from fastdeploy.engine.request import Request, RequestMetrics
 from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.openai.cli_args import engine_config, make_parser

@@ -295,11 +295,16 @@ def test_draft_length_follows_acceptance_and_the_steps_cost() -> None:
     assert [drafter.length(0.95, probe) for probe in (False, True)] == [0, 1]
     assert drafter.length(0.1, probe=True) == 4 and drafter.length(1.0, probe=True) == 1
     scheduler = Scheduler(BlockManager(64, 16, False), 64, 2048, True)
-    probes = []
+    scheduler.prefill_budget.seconds.update({1: 0.011, 16: 0.026, 64: 0.074})  # threshold 0.68 at 16 requests
+    idle = Drafter(SpeculativeConfig("ngram", 4))
+    idle.record(100, 0)
+    lengths = []
     for _ in range(3 * PROBE_EVERY):
+        scheduler.running = []
         scheduler.schedule()
-        probes.append(scheduler._probing())
-    assert probes == ([False] * (PROBE_EVERY - 1) + [True]) * 3
+        scheduler.running = [object()] * 16
+        lengths.append(scheduler._worth(idle))
+    assert lengths == ([0] * (PROBE_EVERY - 1) + [1]) * 3
 
 
 def test_draft_threshold_from_the_measured_step_line() -> None:

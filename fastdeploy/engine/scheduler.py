@@ -9,26 +9,40 @@ new prompt is admitted only if its whole prompt leaves (1 - kv_cache_ratio) of t
 FastDeploy's kv_cache_ratio: that reserve is for the running requests' outputs to grow into, so a burst of
 long prompts does not push them into preemption.
 
-With chunked prefill, a step's prompt tokens are capped while requests decode, at a cap measured from the
-steps' times (prefill_budget.py); the same measured line says how many drafts a step's verification is worth.
+With chunked prefill, a step's prompt tokens are capped while requests decode (PrefillBudget, below): they delay
+every decoding stream's next token by the time they take, so with a fixed token budget a new prompt
+stalls the running streams for as long as the budget allows (2048 tokens: seconds on a CPU). A step may take
+about twice a decode step of the batch being formed (the decoding requests plus those with prompt tokens to
+compute, at most max_num_seqs), its prompt tokens filling what its decode tokens leave, so a stream's gap is
+at most twice the steady one it will have once that batch decodes. The yardstick is the batch being formed,
+not the one decoding now: a few streams decode fast, so their step would let prompts in only slowly, the
+batch would stay small and, under load, throughput and time to first token collapse. With nothing decoding
+(an offline batch starting, a lone long prompt) a step takes the whole max_num_batched_tokens.
 
-The scheduler owns the requests' progress. `schedule()` turns the chosen requests into the runner's
-SchedulerOutput (step_builder.py; a plain decoding batch moves its last step on instead,
-step_builder.py). `update_from_output()` applies the runner's ModelRunnerOutput (computed tokens,
-cached blocks, new tokens, stop checks, finishing and freeing) in one place.
+The cap is measured, not configured: the time between consecutive `schedule()` calls is one whole step (the
+forward, the output processing, the next scheduling), filed under that step's token count. A least-squares
+line through those times gives the cost of one more token (its slope); a step's time is read where that size
+was measured (else from the line). Prompt tokens allowed = (twice the batch's decode step - this step's
+decode tokens' time) / cost per token, and a step at most twice the largest one measured. Until the line is
+known the cap takes the time of a step as proportional to its tokens (2 x batch - decoding tokens), which
+allows less than the line would, as a step has a fixed part. A floor keeps prompts moving whatever the
+estimate says.
+
+The scheduler owns the requests' progress. `schedule()` turns the chosen requests into the runner's SchedulerOutput
+(step_builder.py, which also moves a plain decoding batch's last step on); `update_from_output()` applies the
+runner's ModelRunnerOutput (computed tokens, cached blocks, new tokens, stop checks, finishing, freeing) in one place.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from fastdeploy.engine.block_manager import BlockManager
-from fastdeploy.engine.prefill_budget import PrefillBudget
 from fastdeploy.engine.request import Request, RequestStatus
 from fastdeploy.engine.step_builder import ScheduledStep, SteadyDecode, build_step
-from fastdeploy.speculative import PROBE_EVERY
+from fastdeploy.speculative import DRAFT_MARGIN, PROBE_EVERY, Drafter
 from fastdeploy.step_types import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -48,8 +62,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # the unfinished ones, by id
         self.num_preemptions = 0
-        self.draft_threshold = 0.0  # this step's, see _draft_threshold
         self.num_steps = 0  # scheduled so far: every PROBE_EVERY-th step probes drafts that do not pay
+        self._threshold: float | None = None  # this step's _draft_threshold, once a request drafts (_worth)
         self._steady = SteadyDecode()
 
     def add(self, request: Request) -> None:
@@ -63,8 +77,7 @@ class Scheduler:
         self.prefill_budget.step_begins()
         budget = self.max_num_batched_tokens
         prefill = self._prefill_limit()
-        self.draft_threshold = self._draft_threshold()
-        self.num_steps += 1
+        self._threshold, self.num_steps = None, self.num_steps + 1
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted = False
@@ -157,9 +170,8 @@ class Scheduler:
         fixed + per_token x n seconds (PrefillBudget's line); one more position costs per_token and gains its
         chance p of being kept, so it raises the batch's tokens per second when p > per_token x B / (fixed +
         per_token x B), B being the requests in the batch: near 0 at one stream (a step is the weights'
-        streaming), near 1 when the batch is compute-bound. 0 (draft all) until the line is known. The break-even
-        is raised by DRAFT_MARGIN for what the line does not see: a drafting step is built anew (not moved on in
-        place) and its drafts looked up, so near 1 (a compute-bound batch) nothing but the probes is drafted."""
+        streaming), near 1 when the batch is compute-bound. 0 (draft all) until the line is known. Raised by
+        DRAFT_MARGIN (speculative.py) for what the line does not see."""
         line = self.prefill_budget.line()
         if line is None:
             return 0.0
@@ -168,11 +180,10 @@ class Scheduler:
         return min(1.0, (1 + DRAFT_MARGIN) * batch / (fixed + batch))
 
     def _draft(self, request: Request, room: int) -> int:
-        """Give a decoding request its drafts for this step (at most `room` tokens, as many as pay for themselves
-        (Drafter.length; an MTP request's were limited when it drafted them) and never more than its max_tokens
-        leaves after the token it samples anyway); how many."""
+        """Give a decoding request its drafts for this step: at most `room`, as many as pay (an MTP request's were
+        limited when drafted), never past its max_tokens after the token it samples anyway; how many."""
         drafter = request.drafter
-        worth = drafter.worth if drafter.runs_in_step else drafter.length(self.draft_threshold, self._probing())
+        worth = drafter.worth if drafter.runs_in_step else self._worth(drafter)
         # No draft after a forced token (the end of a cut thinking part), which the step emits instead of a sample.
         limit = 0 if request.forced_tokens else min(room, request.max_tokens - request.num_output_tokens - 1, worth)
         drafts = drafter.propose(request.token_ids, limit) if limit > 0 else []
@@ -183,14 +194,17 @@ class Scheduler:
         request.draft_token_ids = drafts
         return len(drafts)
 
-    def _probing(self) -> bool:
-        return self.num_steps % PROBE_EVERY == 0
+    def _worth(self, drafter: Drafter) -> int:
+        """Drafts worth verifying this step (Drafter.length; every PROBE_EVERY-th step probes). The threshold is
+        worked out once a step, and only in steps where a request drafts."""
+        if self._threshold is None:
+            self._threshold = self._draft_threshold()
+        return drafter.length(self._threshold, self.num_steps % PROBE_EVERY == 0)
 
     def _lookahead(self, request: Request, num_new: int, hits: list[int] | tuple = ()) -> int:
-        """Cache slots an MTP-drafting request needs past this step's tokens, and its draft limit: the MTP layer's
-        second and later drafts are computed one position on each (worker/mtp_proposer.py), so k drafts need
-        k - 1 slots; only when the step completes the request's tokens (it samples), the pool has them, and the
-        drafts stay within its max_tokens (else fewer)."""
+        """Cache slots an MTP-drafting request needs past this step's tokens, and its draft limit: its layer's k
+        drafts need k - 1 slots (worker/mtp_proposer.py); only when the step completes the request's tokens (it
+        samples), the pool has them, and the drafts stay within its max_tokens (else fewer)."""
         drafter = request.drafter
         if drafter is None or not drafter.runs_in_step:
             return 0
@@ -198,7 +212,7 @@ class Scheduler:
         if end < request.num_tokens + len(request.draft_token_ids):
             drafter.limit = drafter.worth = 0  # a prompt chunk: it only fills the MTP layer's cache
             return 0
-        drafter.worth = drafter.length(self.draft_threshold, self._probing())
+        drafter.worth = self._worth(drafter)
         drafter.limit = max(0, min(drafter.worth, drafter.steps,
                                    request.num_prompt_tokens + request.max_tokens - end + 1))
         if drafter.limit > 1 and self.block_manager.free_after(request, num_new + drafter.limit - 1, hits) < 0:
@@ -233,10 +247,8 @@ class Scheduler:
             request.use_uniforms(len(emitted))
             kept_logprobs = []
             if drafts:
-                accepted = sum(t == d for t, d in zip(emitted, drafts))
-                request.drafter.record(min(len(emitted), len(drafts)), accepted)
-                if request.drafter.runs_in_step:
-                    kept_logprobs = request.drafter.accepted_logprobs(accepted)
+                accepted = request.drafter.settle(emitted, drafts)
+                kept_logprobs = request.drafter.accepted_logprobs(accepted)
                 request.metrics.num_draft_tokens += len(drafts)
                 request.metrics.num_accepted_tokens += accepted
                 request.draft_token_ids = []
@@ -300,6 +312,94 @@ class Scheduler:
         logger.debug("preempted request %s (recomputed later)", request.request_id)
 
 
-# A draft is verified when its chance of being kept beats the step line's break-even by this share (measured on
-# the 0.3B shape at 64 streams, wint4: drafts kept 96 % of the time, above a break-even of ~0.94, still cost 4-11 %).
-DRAFT_MARGIN = 0.1
+# Fewest prompt tokens a step with waiting prompt tokens takes (unless the budget is smaller): prompts always
+# progress, a 2048-token prompt in at most 128 steps, even if the measured cost is off (a noisy machine).
+MIN_PREFILL_TOKENS = 16
+# Step sizes remembered (the least recently measured are forgotten): enough for decode batches of several
+# sizes and the mixed steps above them, few enough to refit in a few microseconds.
+MAX_SIZES = 32
+# Weight of a new measurement in its size's running mean: a noisy step moves it by a quarter, a lasting
+# change (longer contexts, another load on the machine) shows within a few steps.
+SMOOTHING = 0.25
+# The line is trusted once its sizes span this factor; a slope from nearly equal sizes is noise.
+MIN_SPAN = 2.0
+
+
+class PrefillBudget:
+    """Step times by step size, and the prompt tokens a step may take given how many requests decode in it and
+    the batch being formed."""
+
+    def __init__(self, max_num_batched_tokens: int, clock: Callable[[], float] = time.perf_counter):
+        self.max_tokens = max_num_batched_tokens
+        self.clock = clock
+        self.seconds: OrderedDict[int, float] = OrderedDict()  # step tokens -> mean step time, oldest first
+        self._started: float | None = None  # when the current schedule() began
+        self._open: tuple[int, float] | None = None  # the step scheduled last: tokens, start
+        self._timed: tuple[int, float] | None = None  # that step once applied, if the engine went straight on
+        self._skip_first = True  # the first step pays one-time costs (first calls, page faults)
+
+    # ---- measuring ----------------------------------------------------------------------------
+    def step_begins(self) -> None:
+        """At the start of schedule(): the previous step's interval ends here."""
+        now = self.clock()
+        if self._timed is not None:
+            tokens, start = self._timed
+            self.record(tokens, now - start)
+        self._timed = self._open = None
+        self._started = now
+
+    def step_scheduled(self, num_tokens: int) -> None:
+        """At the end of schedule(), with the step's token count (0: an empty step, not timed)."""
+        self._open = (num_tokens, self._started) if num_tokens and self._started is not None else None
+
+    def step_applied(self, more_work: bool) -> None:
+        """After the step's output is applied. Only when requests remain does the engine start the next step
+        at once; otherwise the interval to the next one includes idle time and is no step's duration."""
+        self._timed = self._open if more_work else None
+        self._open = None
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        """One step of num_tokens tokens took `seconds`."""
+        if self._skip_first:
+            self._skip_first = False
+            return
+        old = self.seconds.pop(num_tokens, None)
+        self.seconds[num_tokens] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        if len(self.seconds) > MAX_SIZES:
+            self.seconds.popitem(last=False)
+
+    # ---- the cap ------------------------------------------------------------------------------
+    def line(self) -> tuple[float, float] | None:
+        """Least-squares (fixed seconds, seconds per token) through the remembered sizes' mean times, or None
+        while they span too little to tell a slope from noise, or the slope is not positive."""
+        if len(self.seconds) < 2 or max(self.seconds) < MIN_SPAN * min(self.seconds):
+            return None
+        n = len(self.seconds)
+        mean_x = sum(self.seconds) / n
+        mean_t = sum(self.seconds.values()) / n
+        sxx = sum((x - mean_x) ** 2 for x in self.seconds)
+        slope = sum((x - mean_x) * (t - mean_t) for x, t in self.seconds.items()) / sxx
+        if slope <= 0.0:
+            return None
+        return mean_t - slope * mean_x, slope
+
+    def prefill_limit(self, num_decoding: int, batch: int) -> int:
+        """Prompt tokens a step may take beside num_decoding decode tokens (the whole budget when none), batch
+        being the number of requests the step's batch is heading to (decoding and with prompt tokens to compute,
+        at most max_num_seqs)."""
+        room = self.max_tokens - num_decoding
+        if num_decoding == 0:
+            return room
+        line = self.line()
+        if line is None:
+            allowed = 2 * batch - num_decoding  # see the module doc
+        else:
+            fixed, per_token = line
+
+            def step_seconds(tokens: int) -> float:
+                return self.seconds.get(tokens, fixed + per_token * tokens)
+            allowed = int(max(2 * step_seconds(batch) - step_seconds(num_decoding), 0.0) / per_token)
+            # The line is trusted up to twice the largest step it has seen: a slope from noisy small steps may be
+            # far too flat, and one step there measures it again.
+            allowed = min(allowed, 2 * max(self.seconds) - num_decoding)
+        return min(room, max(allowed, MIN_PREFILL_TOKENS))
