@@ -10,8 +10,8 @@ Workloads, all greedy with a fixed number of output tokens (no EOS):
          docs/*.md) followed by its first words again, so a model that continues the text copies it
   fresh  random token ids: nothing in the context to copy (what speculation costs when it cannot help)
 `--llama-bin DIR --gguf FILE` also runs llama.cpp on the copy workload at one stream, the same model and format in
-GGUF: `llama-bench` (plain decode) and `llama-lookup` (its prompt-lookup speculation, k drafts), decode tok/s
-against ours measured the same way (after the first token).
+GGUF: plain decode, `llama-lookup` and llama-server's n-gram speculation modes, k drafts (llama_cpp_ngram.py),
+decode tok/s against ours measured the same way (after the first token).
 `--random SHAPE --layers N` writes (once, into benchmarks/.cache) a random checkpoint of that shape cut to N layers,
 with an MTP layer (tools/random_checkpoint.py). Each (workload, streams) pair runs plain and with
 speculative_config alternately, --repeats times each, on one LLM per setting; the best of each is reported with the
@@ -27,11 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +42,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from fastdeploy import LLM, SamplingParams  # noqa: E402
 from fastdeploy.ops.build import runtime_info  # noqa: E402
+import llama_cpp_ngram  # noqa: E402
 from random_checkpoint import SHAPES, write_checkpoint  # noqa: E402
 
 
@@ -64,27 +62,6 @@ def prompts(workload: str, n: int, seed: int, vocab: int) -> list[dict | str]:
         return [f"{t}\n\n{' '.join(t.split()[:8])}" for t in (texts[i % len(texts)] for i in range(n))]
     rng = np.random.default_rng(seed)
     return [{"prompt_token_ids": rng.integers(3, vocab, size=128).tolist()} for _ in range(n)]
-
-
-def llama_cpp(bin_dir: Path, gguf: Path, prompt: str, max_tokens: int, k: int, repeats: int) -> dict[str, float]:
-    """llama.cpp's one-stream decode tok/s on `prompt`: plain (llama-bench's tg) and with llama-lookup, best of
-    `repeats`, and llama-lookup's drafted and accepted counts."""
-    threads = str(len(os.sched_getaffinity(0)))
-    best = {"llama_plain": 0.0, "llama_lookup": 0.0, "llama_drafted": 0, "llama_accepted": 0}
-    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
-        f.write(prompt)
-        f.flush()
-        for _ in range(repeats):
-            out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(max_tokens),
-                                  "-t", threads, "-o", "json"], capture_output=True, text=True, check=True).stdout
-            best["llama_plain"] = max(best["llama_plain"], json.loads(out)[0]["avg_ts"])
-            out = subprocess.run([str(bin_dir / "llama-lookup"), "-m", str(gguf), "-f", f.name, "-n", str(max_tokens),
-                                  "--spec-draft-n-max", str(k), "--temp", "0", "--ignore-eos", "-t", threads],
-                                 capture_output=True, text=True, check=True).stderr
-            best["llama_lookup"] = max(best["llama_lookup"], float(re.search(r"speed:\s*([\d.]+) t/s", out)[1]))
-            best["llama_drafted"] = int(re.search(r"n_drafted\s*=\s*(\d+)", out)[1])
-            best["llama_accepted"] = int(re.search(r"n_accept\s*=\s*(\d+)", out)[1])
-    return best
 
 
 def decode_rate(outputs: list) -> float:
@@ -120,7 +97,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--speculative-config", type=json.loads, help="the whole speculative_config, as JSON")
-    parser.add_argument("--llama-bin", type=Path, help="llama.cpp's build/bin (llama-bench, llama-lookup)")
+    parser.add_argument("--llama-bin", type=Path, help="llama.cpp's build/bin (llama-bench, llama-lookup, llama-server)")
     parser.add_argument("--gguf", type=Path, help="with --llama-bin: the same model as GGUF")
     parser.add_argument("--json", type=Path, help="append the results here")
     args = parser.parse_args()
@@ -159,19 +136,21 @@ def main() -> None:
                              paired=paired, method=args.method, drafted=drafted, accepted=accepted,
                              isa=rt["active_isa"], model=args.model, quantization=args.quantization))
             if args.llama_bin and workload == "copy" and n == 1:
-                rows[-1].update(llama_cpp(args.llama_bin, args.gguf, batch[0], args.max_tokens,
-                                          args.num_speculative_tokens, args.repeats))
+                rows[-1]["llama"] = llama_cpp_ngram.best_of(args.llama_bin, args.gguf, batch[0], args.max_tokens,
+                                                            args.num_speculative_tokens, args.repeats)
     print(f"| workload | streams | plain tok/s | {args.method} tok/s | ratio | paired ratio | drafts accepted |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         share = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "no drafts"
         print(f"| {r['workload']} | {r['streams']} | {r['plain']:.1f} | {r['spec']:.1f} | "
               f"{r['spec'] / r['plain']:.2f}x | {r['paired']:.2f}x | {share} |")
-    for r in rows:
-        if "llama_lookup" in r:
-            print(f"llama.cpp, copy, one stream: llama-bench tg {r['llama_plain']:.1f} tok/s, llama-lookup "
-                  f"{r['llama_lookup']:.1f} tok/s ({r['llama_accepted']}/{r['llama_drafted']} drafts accepted); "
-                  f"ours with {args.method}: {r['spec'] / max(r['llama_plain'], r['llama_lookup']):.2f}x llama.cpp's best")
+    for r in (r for r in rows if "llama" in r):
+        print("llama.cpp, copy, one stream, decode tok/s (best of each): " + ", ".join(
+            f"{mode} {m['rate']:.1f}" + (f" ({m['accepted']}/{m['drafted']} drafts accepted)" if m["drafted"] else "")
+            for mode, m in r["llama"].items()))
+        top = max(r["llama"], key=lambda mode: r["llama"][mode]["rate"])
+        print(f"ours with {args.method}: {r['spec']:.1f} tok/s, {r['spec'] / r['llama'][top]['rate']:.2f}x "
+              f"llama.cpp's best ({top})")
     if args.json:
         with args.json.open("a") as f:
             f.write(json.dumps(rows) + "\n")
