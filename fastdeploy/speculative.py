@@ -2,7 +2,9 @@
 
 Drafting, "ngram" (prompt lookup; FastDeploy's `ngram` / `ngram_match`, vLLM's `ngram`): the last n tokens of
 a request's context, n from max_ngram_size down to min_ngram_size, are looked up among its earlier tokens, and
-the tokens that followed their most recent earlier occurrence are the draft. `NgramDrafter` keeps each
+the tokens that followed their most recent earlier occurrence are the draft; where those run into the end of the
+context, the draft goes on as the text would if it kept repeating from that occurrence (a loop of d tokens drafts
+k tokens, not d). `NgramDrafter` keeps each
 request's index of where every n-gram last ended, so a lookup costs one dict probe per n whatever the length.
 
 Verifying is exact. The scheduler gives a drafting request 1 + k new tokens (its last token and the k drafts);
@@ -169,8 +171,8 @@ class NgramDrafter(Drafter):
 
     def propose(self, tokens: Sequence[int], limit: int, then: Sequence[int] = ()) -> list[int]:
         """Up to `limit` tokens that followed the most recent earlier occurrence of the longest matching suffix of
-        the context, or of the context followed by `then` (drafts not yet verified, never indexed); [] when none of
-        its last max..min tokens occurred before."""
+        the context, or of the context followed by `then` (drafts not yet verified, never indexed), continued
+        periodically past the end; [] when none of its last max..min tokens occurred before."""
         last = len(tokens) - 1
         ends = self.ends
         for end in range(self.indexed, last):  # index the n-grams ending at positions indexed..last-1
@@ -181,7 +183,12 @@ class NgramDrafter(Drafter):
         for n in range(min(self.max_n, last + len(then)), self.min_n - 1, -1):
             start = ends.get(tuple(tail[len(tail) - n:]))
             if start is not None:  # start <= last: what follows is in the context, then in `then`
-                return [*tokens[start:start + limit], *then[:max(0, start + limit - len(tokens))]]
+                draft = [*tokens[start:start + limit], *then[:max(0, start + limit - len(tokens))]]
+                # Past the end, the text repeats from the occurrence on (a loop, a repeated line): period `cycle`.
+                cycle = len(tokens) + len(then) - start
+                while len(draft) < limit:
+                    draft.append(draft[-cycle])
+                return draft
         return []
 
 

@@ -16,14 +16,17 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "max_ngram_size": 3, "m
 
 def naive_proposal(tokens: list[int], k: int, min_n: int, max_n: int, then: list[int] = ()) -> list[int]:
     """The rule written out: the longest suffix of max..min tokens of the context followed by `then` that occurred
-    in the context before (ending before its last token), its most recent such occurrence, and up to k tokens after
-    it."""
+    in the context before (ending before its last token), its most recent such occurrence, and the k tokens after
+    it in the sequence continued as if it repeated from there on."""
     seq, last = tokens + list(then), len(tokens) - 1
     for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
         suffix = seq[len(seq) - n:]
         for end in range(last, n - 1, -1):
             if tokens[end - n:end] == suffix:
-                return seq[end:end + k]
+                repeated = list(seq)
+                while len(repeated) < end + k:  # the suffix recurs every len(seq) - end tokens
+                    repeated.append(repeated[len(repeated) - (len(seq) - end)])
+                return repeated[end:end + k]
     return []
 
 
@@ -41,6 +44,17 @@ def test_drafter_proposes_what_the_rule_says_as_tokens_arrive(seed: int) -> None
         proposed += bool(expected)
         tokens += rng.integers(0, 6, size=int(rng.integers(1, 4))).tolist()  # a step emits 1..3 tokens
     assert proposed > 40
+
+
+def test_drafter_continues_a_loop_past_the_end_of_the_context() -> None:
+    def propose(tokens: list[int], limit: int, then: list[int] = ()) -> list[int]:
+        return NgramDrafter(SpeculativeConfig.from_dict(NGRAM)).propose(tokens, limit, then)
+
+    assert propose([9, 1, 2, 1, 2], 4) == [1, 2, 1, 2]  # "1 2" recurs every 2 tokens
+    assert propose([9, 1, 2, 1, 2, 1], 3) == [2, 1, 2]
+    assert propose([4, 4, 4, 4], 4) == [4, 4, 4, 4]
+    assert propose([5, 6, 7, 8, 5, 6], 4) == [7, 8, 5, 6]  # the earlier text, then the loop again
+    assert propose([5, 6, 7, 8, 5, 6], 4, [7]) == [8, 5, 6, 7]  # over unverified drafts too
 
 
 @pytest.mark.parametrize("seed", range(4))
