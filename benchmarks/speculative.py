@@ -5,10 +5,13 @@
     .venv/bin/python benchmarks/speculative.py --method mtp --num-speculative-tokens 1 --random ernie-4.5-21b-a3b \
         --layers 4 --quantization wint4 --streams 1 --workloads fresh   # MTP's cost per step (random: no draft kept)
 
-Workloads, all greedy with a fixed number of output tokens (no EOS):
-  copy   prompts whose answer repeats their context: a passage of real prose (paragraphs of this repository's
-         docs/*.md) followed by its first words again, so a model that continues the text copies it
-  fresh  random token ids: nothing in the context to copy (what speculation costs when it cannot help)
+Workloads, with a fixed number of output tokens (no EOS):
+  copy     prompts whose answer repeats their context: a passage of real prose (paragraphs of this repository's
+           docs/*.md) followed by its first words again, so a model that continues the text copies it (greedy;
+           tools/train_copy_model.py makes a demo model that does)
+  fresh    random token ids, greedy: nothing in the prompt to copy, though a model's greedy output may loop
+  sampled  random token ids, sampled at temperature 1 (seeded, so the same tokens with and without speculation):
+           an output that seldom repeats itself, what drafting costs when its drafts fail
 `--llama-bin DIR --gguf FILE` also runs llama.cpp on the copy workload at one stream, the same model and format in
 GGUF: plain decode, `llama-lookup` and llama-server's n-gram speculation modes, k drafts (llama_cpp_ngram.py),
 decode tok/s against ours measured the same way (after the first token).
@@ -70,8 +73,12 @@ def decode_rate(outputs: list) -> float:
     return (len(o.outputs.token_ids) - 1) / (o.metrics.model_forward_time - o.metrics.first_token_time)
 
 
-def run(llm: LLM, batch: list, max_tokens: int) -> tuple[float, int, int]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def run(llm: LLM, batch: list, max_tokens: int, workload: str) -> tuple[float, int, int]:
+    if workload == "sampled":
+        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True)
+                  for i in range(len(batch))]
+    else:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -88,7 +95,7 @@ def main() -> None:
     parser.add_argument("--model", default=str(ROOT / "models" / "ernie-4.5-demo"))
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--streams", default="1,16,64")
-    parser.add_argument("--workloads", default="copy,fresh")
+    parser.add_argument("--workloads", default="copy,fresh,sampled")
     parser.add_argument("--method", choices=("ngram", "mtp"), default="ngram")
     parser.add_argument("--random", choices=sorted(SHAPES), help="a random checkpoint of this shape, with an MTP layer")
     parser.add_argument("--layers", type=int, default=4, help="with --random: its depth")
@@ -121,12 +128,12 @@ def main() -> None:
         for workload, n in cases:
             batch = prompts(workload, n, seed=n, vocab=vocab)
             for llm in llms.values():  # warm-up
-                run(llm, batch[:1], 8)
+                run(llm, batch[:1], 8, workload)
             rates: dict[str, list[float]] = {"plain": [], "spec": []}
             drafted = accepted = 0
             for _ in range(args.repeats):
                 for name, llm in llms.items():
-                    rate, d, a = run(llm, batch, args.max_tokens)
+                    rate, d, a = run(llm, batch, args.max_tokens, workload)
                     rates[name].append(rate)
                     if name == "spec":
                         drafted, accepted = d, a
