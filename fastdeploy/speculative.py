@@ -180,6 +180,8 @@ class NgramDrafter(Drafter):
                 ends[tuple(tokens[end + 1 - n:end + 1])] = end + 1
         self.indexed = max(self.indexed, last)
         tail = [*tokens[-self.max_n:], *then]
+        if tuple(tail[len(tail) - self.min_n:]) not in ends:
+            return []  # every longer suffix ends with this one, so none occurred either: one probe, not max - min + 1
         for n in range(min(self.max_n, last + len(then)), self.min_n - 1, -1):
             start = ends.get(tuple(tail[len(tail) - n:]))
             if start is not None:  # start <= last: what follows is in the context, then in `then`

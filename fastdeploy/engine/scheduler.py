@@ -256,7 +256,7 @@ class Scheduler:
                 if not request.is_finished:  # the last token and the accepted drafts went through the model
                     request.num_computed_tokens += len(emitted)
                     self.block_manager.cache_full_blocks(request)
-            if request.drafter is not None and not request.is_finished:
+            if (drafts or request.drafter is not None and request.drafter.runs_in_step) and not request.is_finished:
                 self.block_manager.trim(request)  # rejected drafts' blocks, MTP slots past the tokens
             m = request.metrics  # FastDeploy's meanings: durations up to this (the latest) output token
             if m.first_token_time is None:
