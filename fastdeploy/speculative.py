@@ -5,7 +5,7 @@ a request's context, n from max_ngram_size down to min_ngram_size, are looked up
 the tokens that followed their most recent earlier occurrence are the draft; where those run into the end of the
 context, the draft goes on as the text would if it kept repeating from that occurrence (a loop of d tokens drafts
 k tokens, not d). `NgramDrafter` keeps each
-request's index of where every n-gram last ended, so a lookup costs one dict probe per n whatever the length.
+request's context packed and scans it from the end in C, so a token costs nothing until a lookup.
 
 Verifying is exact. The scheduler gives a drafting request 1 + k new tokens (its last token and the k drafts);
 the step builder makes each of those k + 1 positions a sampling row with the policy the row would have had if
@@ -26,7 +26,8 @@ drafted until the scheduler asks. With FastDeploy's `mtp_strategy` "with_ngram" 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from array import array
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,10 +114,72 @@ def checkpoint_has_mtp(tensor_names: Sequence[str]) -> bool:
 # Every this many steps a request whose drafts do not pay still drafts one token, to notice when they would; all
 # requests on the same steps, so that the steps between stay plain decoding (moved on in place).
 PROBE_EVERY = 8
+# While drafting steps do not pay for a batch (DraftPacing), only every this many steps drafts, to notice when they
+# would: a probe is a step built anew, and so is the one after it.
+PROBE_IDLE_EVERY = 32
 # A draft is verified when its chance of being kept beats the step line's break-even by this share, for what the
-# line does not see: a drafting step is built anew (not moved on in place) and its drafts looked up. Measured on the
-# 0.3B shape at 64 streams, wint4: drafts kept 96 % of the time, above a break-even of ~0.94, still cost 4-11 %.
+# line does not see. Measured on the 0.3B shape at 64 streams, wint4: drafts kept 96 % of the time, above a
+# break-even of ~0.94, still cost 4-11 %.
 DRAFT_MARGIN = 0.1
+# Weight of a drafting step's outcome in DraftPacing's running means.
+SMOOTHING = 0.25
+
+
+class DraftPacing:
+    """How much the scheduler drafts by lookup (the MTP layer drafts inside the step, at its own pace).
+
+    Per draft: verified when its chance of being kept beats the break-even of the measured step line (`worth`).
+    Per step: a step with drafts costs more than its extra positions, as it is built anew instead of moved on in
+    place (engine/step_builder.py's SteadyDecode), its drafts are looked up and its rows sampled apart; with a few
+    requests drafting in a large batch of a small model that fixed cost is far more than what they gain. So a
+    batch drafts while the tokens a drafting step gained (a running mean), each worth a plain step's time over
+    the batch, outweigh what a drafting step took over a plain one (the step times by size the scheduler
+    measures); else only every PROBE_IDLE_EVERY-th step drafts, keeping both measures fresh."""
+
+    __slots__ = ("_threshold", "gained", "drafted")
+
+    def __init__(self) -> None:
+        self._threshold: tuple[int, int, float] | None = None  # (step, batch, threshold) as last fitted
+        self.gained: float | None = None  # tokens accepted per drafting step (running mean)
+        self.drafted = 1.0  # drafts per drafting step (running mean)
+
+    def drafts_now(self, step: int, batch: int, seconds: Mapping[int, float]) -> bool:
+        """Whether lookup drafters draft in this step of `batch` decoding requests, `seconds` the measured step
+        times by step size (None: not measured yet, so it drafts and measures)."""
+        if self.gained is None or not batch or step % PROBE_IDLE_EVERY == 0:
+            return True
+        plain, drafting = seconds.get(batch), seconds.get(batch + max(1, round(self.drafted)))
+        return plain is None or drafting is None or self.gained * plain / batch > drafting - plain
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A step verified `drafted` lookup drafts and kept `accepted` of them."""
+        if self.gained is None:
+            self.gained, self.drafted = float(accepted), float(drafted)
+        else:
+            self.gained += SMOOTHING * (accepted - self.gained)
+            self.drafted += SMOOTHING * (drafted - self.drafted)
+
+    def worth(self, drafter: Drafter, step: int, batch: int, line: Callable[[], tuple[float, float] | None]) -> int:
+        """Drafts worth verifying in this step (Drafter.length; every PROBE_EVERY-th step probes). The threshold is
+        refitted from `line()` when the batch changed or PROBE_EVERY steps passed: ~10 us, a tenth of a small
+        model's step."""
+        kept = self._threshold
+        if kept is None or kept[1] != batch or step - kept[0] >= PROBE_EVERY:
+            kept = self._threshold = (step, batch, draft_threshold(line(), batch))
+        return drafter.length(kept[2], step % PROBE_EVERY == 0)
+
+
+def draft_threshold(line: tuple[float, float] | None, batch: int) -> float:
+    """How likely a draft must be kept to be worth its position in a step of `batch` requests. A step of n
+    tokens takes about fixed + per_token x n seconds (`line`, the scheduler's measure); one more position costs
+    per_token and gains its chance p of being kept, so it raises the batch's tokens per second when
+    p > per_token x batch / (fixed + per_token x batch): near 0 at one stream (a step is the weights' streaming),
+    near 1 when the batch is compute-bound. 0 (draft all) until the line is known. Raised by DRAFT_MARGIN."""
+    if line is None:
+        return 0.0
+    fixed, per_token = max(line[0], 0.0), line[1]
+    cost = max(batch, 1) * per_token
+    return min(1.0, (1 + DRAFT_MARGIN) * cost / (fixed + cost))
 
 
 class Drafter:
@@ -145,9 +208,12 @@ class Drafter:
         """The logprobs of the first `accepted` drafts, when the drafter made them (MTP)."""
         return []
 
+    def rewind(self, num_tokens: int) -> None:
+        """The request's tokens past the first num_tokens were taken back (Scheduler.take_back)."""
+
     def length(self, threshold: float, probe: bool = False) -> int:
         """Drafts worth verifying when a draft must be kept with probability above `threshold` to pay for its
-        position in the step (Scheduler._draft_threshold). The j-th draft is kept with about a^j, a being this
+        position in the step (draft_threshold). The j-th draft is kept with about a^j, a being this
         request's acceptance so far (with a prior of one kept and one rejected). On a `probe` step one draft is
         tried even when none pays: the acceptance or the step's cost may have changed."""
         rate = (self.accepted + 1) / (self.verified + 2)
@@ -158,40 +224,61 @@ class Drafter:
 
 
 class NgramDrafter(Drafter):
-    """One request's n-gram index: for every n-gram of min..max tokens of its context but those ending at the
-    last token (the ones looked up), the end of its most recent occurrence."""
+    """One request's lookup: its context packed as int32 (extended as tokens arrive, cut back by `rewind`) and
+    searched from the end with bytes.rfind, a C scan, so nothing is indexed per token: a step that does not look
+    up costs nothing (~1 us a lookup over a few hundred tokens, ~20 us over 8k)."""
 
-    __slots__ = ("min_n", "max_n", "ends", "indexed")
+    __slots__ = ("min_n", "max_n", "packed")
 
     def __init__(self, config: SpeculativeConfig) -> None:
         super().__init__(config)
         self.min_n, self.max_n = config.min_ngram_size, config.max_ngram_size
-        self.ends: dict[tuple[int, ...], int] = {}
-        self.indexed = 0  # n-grams ending before this position are in `ends`
+        self.packed = bytearray()  # the context's first len(packed) // 4 tokens, int32
+
+    def rewind(self, num_tokens: int) -> None:
+        del self.packed[4 * num_tokens:]
 
     def propose(self, tokens: Sequence[int], limit: int, then: Sequence[int] = ()) -> list[int]:
         """Up to `limit` tokens that followed the most recent earlier occurrence of the longest matching suffix of
-        the context, or of the context followed by `then` (drafts not yet verified, never indexed), continued
-        periodically past the end; [] when none of its last max..min tokens occurred before."""
-        last = len(tokens) - 1
-        ends = self.ends
-        for end in range(self.indexed, last):  # index the n-grams ending at positions indexed..last-1
-            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                ends[tuple(tokens[end + 1 - n:end + 1])] = end + 1
-        self.indexed = max(self.indexed, last)
-        tail = [*tokens[-self.max_n:], *then]
-        if tuple(tail[len(tail) - self.min_n:]) not in ends:
-            return []  # every longer suffix ends with this one, so none occurred either: one probe, not max - min + 1
-        for n in range(min(self.max_n, last + len(then)), self.min_n - 1, -1):
-            start = ends.get(tuple(tail[len(tail) - n:]))
-            if start is not None:  # start <= last: what follows is in the context, then in `then`
-                draft = [*tokens[start:start + limit], *then[:max(0, start + limit - len(tokens))]]
-                # Past the end, the text repeats from the occurrence on (a loop, a repeated line): period `cycle`.
-                cycle = len(tokens) + len(then) - start
-                while len(draft) < limit:
-                    draft.append(draft[-cycle])
-                return draft
-        return []
+        the context, or of the context followed by `then` (drafts not yet verified), continued periodically past
+        the end; [] when none of its last max..min tokens occurred before."""
+        packed, last = self.packed, len(tokens) - 1
+        if len(packed) < 4 * len(tokens):
+            packed += array("i", tokens[len(packed) // 4:])
+        longest = min(self.max_n, last + len(then))
+        if longest < self.min_n:
+            return []
+        tail = array("i", [*tokens[-longest:], *then][-longest:]).tobytes()
+        # Where the shortest suffix never occurred, no longer one did: one scan, not max - min + 1.
+        start = _last_end(packed, tail[-4 * self.min_n:], 4 * last)
+        n = longest
+        while start >= 0 and n > self.min_n:
+            found = _last_end(packed, tail[-4 * n:], 4 * last)
+            if found >= 0:
+                start = found
+                break
+            n -= 1
+        if start < 0:
+            return []
+        # start <= last: what follows is in the context, then in `then`.
+        draft = [*tokens[start:start + limit], *then[:max(0, start + limit - len(tokens))]]
+        # Past the end, the text repeats from the occurrence on (a loop, a repeated line): period `cycle`.
+        cycle = len(tokens) + len(then) - start
+        while len(draft) < limit:
+            draft.append(draft[-cycle])
+        return draft
+
+
+def _last_end(packed: bytearray, needle: bytes, end: int) -> int:
+    """The token position just past the most recent occurrence of the packed tokens `needle` within the first
+    `end` bytes of `packed`, or -1 (a match across token boundaries is skipped)."""
+    while True:
+        at = packed.rfind(needle, 0, end)
+        if at < 0:
+            return -1
+        if at % 4 == 0:
+            return (at + len(needle)) // 4
+        end = at + len(needle) - 1
 
 
 class MtpDrafter(Drafter):
@@ -225,3 +312,7 @@ class MtpDrafter(Drafter):
     def accepted_logprobs(self, accepted: int) -> list[Any]:
         """The logprobs of the first `accepted` drafts proposed (those the step emitted), if any were made."""
         return self.logprobs[:accepted]
+
+    def rewind(self, num_tokens: int) -> None:
+        if self.ngram is not None:
+            self.ngram.rewind(num_tokens)

@@ -237,10 +237,10 @@ def test_placeholder_token_ids_without_media_are_refused(llm):
 def test_ngram_drafts_keep_the_reference_tokens(llm, monkeypatch):
     """Speculative decoding with media: drafts (the reference continuation, some tokens changed) verified after
     the images and videos give transformers' tokens; their positions are text positions after the prompt."""
-    from test_speculative import OracleDrafter
+    from test_speculative import use_oracle
 
     expected = llm.generate([generate_prompt(c) for c in CASES], GREEDY, use_tqdm=False)
-    monkeypatch.setattr("fastdeploy.engine.engine.NgramDrafter", OracleDrafter(expected, np.random.default_rng(4)))
+    use_oracle(monkeypatch, expected, 4)
     drafting = LLM(model=str(VL), max_model_len=1024, num_gpu_blocks_override=256, use_warmup=0, dtype="float32",
                    speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     outs = drafting.generate([generate_prompt(c) for c in CASES], GREEDY, use_tqdm=False)

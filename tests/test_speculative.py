@@ -5,6 +5,8 @@ sampled (a seeded request's output position always inverts the same uniform), wh
 """
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import pytest
 
@@ -55,6 +57,23 @@ def test_drafter_continues_a_loop_past_the_end_of_the_context() -> None:
     assert propose([4, 4, 4, 4], 4) == [4, 4, 4, 4]
     assert propose([5, 6, 7, 8, 5, 6], 4) == [7, 8, 5, 6]  # the earlier text, then the loop again
     assert propose([5, 6, 7, 8, 5, 6], 4, [7]) == [8, 5, 6, 7]  # over unverified drafts too
+
+
+def test_drafter_follows_tokens_taken_back_and_never_matches_across_token_boundaries() -> None:
+    drafter = NgramDrafter(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                                        "max_ngram_size": 2, "min_ngram_size": 1}))
+    tokens = [7, 8, 9, 3, 7]
+    assert drafter.propose(tokens, 3) == [8, 9, 3]
+    del tokens[-2:]  # a stop string's tokens taken back (Scheduler.take_back), then others emitted
+    drafter.rewind(len(tokens))
+    tokens += [5, 9]
+    assert drafter.propose(tokens, 3) == naive_proposal(tokens, 3, 1, 2) == [5, 9, 5]
+    # Packed little-endian, [1, 0] is 01 00 00 00 00 00 00 00, which [256, 0, 256] holds one byte in: no occurrence.
+    drafter = NgramDrafter(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
+                                                        "max_ngram_size": 2, "min_ngram_size": 2}))
+    tokens = [256, 0, 256, 1, 0]
+    assert bytes(array("i", tokens[:4])).find(bytes(array("i", [1, 0]))) % 4 != 0
+    assert drafter.propose(tokens, 2) == naive_proposal(tokens, 2, 2, 2) == []
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -172,6 +191,15 @@ class OracleDrafter(Drafter):
         return [t if self.rng.random() < 0.8 else int(self.rng.integers(3, 1000)) for t in drafts]
 
 
+def use_oracle(monkeypatch, expected: list, seed: int) -> None:
+    """The engine drafts with OracleDrafter, in every step: the tests are of the verification, not of when drafting
+    pays (which follows measured step times)."""
+    from fastdeploy.speculative import DraftPacing
+
+    monkeypatch.setattr("fastdeploy.engine.engine.NgramDrafter", OracleDrafter(expected, np.random.default_rng(seed)))
+    monkeypatch.setattr(DraftPacing, "drafts_now", lambda pacing, step, batch, seconds: True)
+
+
 def model_path(name: str) -> str:
     from tests.conftest import FIXTURES
 
@@ -185,7 +213,7 @@ def test_verification_keeps_exactly_the_tokens_without_speculation(model, quanti
     params = mixed_params(len(prompts))
     base = dict(model=model_path(model), block_size=16, max_num_seqs=8, quantization=quantization)
     expected = generate(LLM(**base), prompts, params)
-    monkeypatch.setattr("fastdeploy.engine.engine.NgramDrafter", OracleDrafter(expected, np.random.default_rng(0)))
+    use_oracle(monkeypatch, expected, 0)
     got = generate(LLM(**base, speculative_config=NGRAM), prompts, params)
     assert [o.outputs.token_ids for o in got] == [o.outputs.token_ids for o in expected]
     assert [o.outputs.text for o in got] == [o.outputs.text for o in expected]
@@ -198,7 +226,7 @@ def test_verification_keeps_exactly_the_tokens_without_speculation(model, quanti
 def oracle_run(monkeypatch, prompts, params, **engine):
     """The outputs without and with speculation (drafts from the run without) under the same engine settings."""
     expected = generate(LLM(**engine), prompts, params)
-    monkeypatch.setattr("fastdeploy.engine.engine.NgramDrafter", OracleDrafter(expected, np.random.default_rng(1)))
+    use_oracle(monkeypatch, expected, 1)
     llm = LLM(**engine, speculative_config=NGRAM)
     return expected, generate(llm, prompts, params), llm
 
@@ -278,11 +306,14 @@ def test_reasoning_limits_with_drafts(monkeypatch) -> None:
 def test_ngram_drafts_on_the_demo_model_are_accepted_and_change_nothing(monkeypatch) -> None:
     """The real drafter on the bundled model: its Python-documentation prose repeats itself enough for
     prompt lookup to be right often; greedy and seeded outputs are the same as without. Every request drafts
-    all it finds: how many drafts pay follows measured step times (test_draft_length_... checks that rule), which
-    would make the count below depend on the machine's load."""
+    all it finds in every step: how many drafts pay follows measured step times (test_draft_length_... and
+    test_a_batch_drafts_... check those rules), which would make the count below depend on the machine's load."""
     from pathlib import Path
 
+    from fastdeploy.speculative import DraftPacing
+
     monkeypatch.setattr(Drafter, "length", lambda drafter, threshold, probe=False: drafter.k)
+    monkeypatch.setattr(DraftPacing, "drafts_now", lambda pacing, step, batch, seconds: True)
 
     demo = str(Path(__file__).parents[1] / "models" / "ernie-4.5-demo")
     prompts = ["The list type is a mutable sequence type. The list type", "class C:\n    def __init__(self, value):\n"]
@@ -322,15 +353,77 @@ def test_draft_length_follows_acceptance_and_the_steps_cost() -> None:
 
 
 def test_draft_threshold_from_the_measured_step_line() -> None:
-    from fastdeploy.engine.block_manager import BlockManager
-    from fastdeploy.engine.scheduler import Scheduler
+    from fastdeploy.engine.scheduler import PrefillBudget
+    from fastdeploy.speculative import draft_threshold
 
-    scheduler = Scheduler(BlockManager(64, 16, False), 64, 2048, True)
-    assert scheduler._draft_threshold() == 0.0  # the line is not known yet
-    scheduler.prefill_budget.seconds.update({1: 0.011, 16: 0.026, 64: 0.074})  # 10 ms fixed, 1 ms per token
-    scheduler.running = [object()] * 16
-    assert scheduler._draft_threshold() == pytest.approx(1.1 * 16 / 26, rel=1e-6)  # with the 10 % margin
-    scheduler.running = [object()]
-    assert scheduler._draft_threshold() == pytest.approx(1.1 * 1 / 11, rel=1e-6)
-    scheduler.running = [object()] * 128
-    assert scheduler._draft_threshold() == 1.0  # 1.1 x 128 / 138 > 1: compute-bound, nothing pays
+    budget = PrefillBudget(2048)
+    assert draft_threshold(budget.line(), 16) == 0.0  # the line is not known yet
+    budget.seconds.update({1: 0.011, 16: 0.026, 64: 0.074})  # 10 ms fixed, 1 ms per token
+    assert draft_threshold(budget.line(), 16) == pytest.approx(1.1 * 16 / 26, rel=1e-6)  # with the 10 % margin
+    assert draft_threshold(budget.line(), 1) == pytest.approx(1.1 * 1 / 11, rel=1e-6)
+    assert draft_threshold(budget.line(), 128) == 1.0  # 1.1 x 128 / 138 > 1: compute-bound, nothing pays
+
+
+def test_a_batch_drafts_while_its_drafting_steps_pay_for_their_fixed_cost() -> None:
+    """A drafting step's gain (accepted tokens, each a plain step's time over the batch) against its measured extra
+    time: below, only every PROBE_IDLE_EVERY-th step drafts; nothing measured yet, it drafts."""
+    from fastdeploy.speculative import PROBE_IDLE_EVERY, DraftPacing
+
+    seconds = {16: 0.0016, 17: 0.0020}  # a drafting step of one draft: 0.4 ms more; a token is worth 0.1 ms
+    pacing = DraftPacing()
+    assert all(pacing.drafts_now(step, 16, seconds) for step in range(1, 40))
+    pacing.record(drafted=1, accepted=1)  # 1 token gained: 0.1 ms < 0.4 ms
+    assert [step for step in range(1, 100) if pacing.drafts_now(step, 16, seconds)] == [
+        PROBE_IDLE_EVERY, 2 * PROBE_IDLE_EVERY, 3 * PROBE_IDLE_EVERY]
+    assert pacing.drafts_now(1, 16, {16: 0.0016})  # the drafting step's size not measured: it drafts to measure
+    for _ in range(20):
+        pacing.record(drafted=6, accepted=5)  # a copying batch: ~5 tokens a step, 0.5 ms
+    seconds[22] = 0.0020
+    assert pacing.drafts_now(1, 16, seconds)
+    for _ in range(20):
+        pacing.record(drafted=6, accepted=2)
+    assert not pacing.drafts_now(1, 16, seconds)  # ~0.2 ms gained against 0.4 ms
+    assert pacing.drafts_now(1, 1, {1: 0.00026, 7: 0.0003})  # one stream: 2 tokens of 0.26 ms against 0.04 ms
+
+
+def test_the_engine_drafts_only_on_probe_steps_while_drafting_steps_do_not_pay(monkeypatch) -> None:
+    """The pacing wired into the scheduler, its measured step times replaced by a fixed table: while a drafting step
+    costs more than any draft can gain, only every PROBE_IDLE_EVERY-th step drafts; once drafting steps are cheap,
+    the probes' accepted drafts reopen drafting at every step. The tokens are those without speculation."""
+    from pathlib import Path
+
+    from fastdeploy.speculative import PROBE_IDLE_EVERY, DraftPacing
+
+    demo = str(Path(__file__).parents[1] / "models" / "ernie-4.5-demo")
+    prompt = ["The list type is a mutable sequence type. The list type"]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    expected = LLM(model=demo, max_model_len=512).generate(prompt, params, use_tqdm=False)[0].outputs.token_ids
+    llm = LLM(model=demo, max_model_len=512, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    scheduler = llm.engine.scheduler
+    drafting_cost = {"seconds": 0.004}
+
+    class Table(dict):  # a plain step of the batch takes 1 ms, a drafting one 1 ms + drafting_cost
+        def get(self, size, default=None):
+            return 0.001 + (drafting_cost["seconds"] if size > len(scheduler.running) else 0.0)
+
+    drafts_now = DraftPacing.drafts_now
+    monkeypatch.setattr(DraftPacing, "drafts_now", lambda pacing, step, batch, seconds:
+                        drafts_now(pacing, step, batch, Table()))
+    drafting_steps: list[int] = []
+    schedule = scheduler.schedule
+
+    def logged_schedule():
+        step = schedule()
+        if any(r.draft_token_ids for r in step.requests):
+            drafting_steps.append(scheduler.num_steps)
+        return step
+    monkeypatch.setattr(scheduler, "schedule", logged_schedule)
+    for cost, reopened in ((0.004, False), (0.0001, True)):
+        drafting_cost["seconds"], drafting_steps[:] = cost, []
+        got = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert got.outputs.token_ids == expected
+        idle = [s for s in drafting_steps[1:] if s % PROBE_IDLE_EVERY]  # the first: the pacing's first measure
+        if reopened:
+            assert len(idle) > 10 and got.metrics.num_accepted_tokens > 10, drafting_steps
+        else:
+            assert not idle and len(drafting_steps) >= 3, drafting_steps

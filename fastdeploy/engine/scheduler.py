@@ -42,7 +42,7 @@ from collections.abc import Callable
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestStatus
 from fastdeploy.engine.step_builder import ScheduledStep, SteadyDecode, build_step
-from fastdeploy.speculative import DRAFT_MARGIN, PROBE_EVERY, Drafter
+from fastdeploy.speculative import DraftPacing, Drafter
 from fastdeploy.step_types import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # the unfinished ones, by id
         self.num_preemptions = 0
-        self.num_steps = 0  # scheduled so far: every PROBE_EVERY-th step probes drafts that do not pay
-        self._threshold: tuple[int, int, float] | None = None  # (step, running, _draft_threshold) as _worth fitted it
+        self.num_steps = 0  # scheduled so far
+        self.pacing = DraftPacing()  # when and how much lookup drafters draft
         self._steady = SteadyDecode()
 
     def add(self, request: Request) -> None:
@@ -81,6 +81,7 @@ class Scheduler:
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted = False
+        lookup = self.pacing.drafts_now(self.num_steps, len(self.running), self.prefill_budget.seconds)
 
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
@@ -93,7 +94,7 @@ class Scheduler:
                 num_new = min(num_new, prefill)
                 if num_new == 0:
                     continue  # part-way through its prompt: waits for a step with prompt tokens to spare
-            elif request.drafter is not None and budget > 1:
+            elif request.drafter is not None and budget > 1 and (lookup or request.drafter.runs_in_step):
                 num_new += self._draft(request, budget - 1)
             lookahead = self._lookahead(request, num_new)
             while not self.block_manager.allocate(request, num_new + lookahead):
@@ -165,20 +166,6 @@ class Scheduler:
             return self.max_num_batched_tokens
         return self.prefill_budget.prefill_limit(decoding, min(decoding + prompts, self.max_num_seqs))
 
-    def _draft_threshold(self) -> float:
-        """How likely a draft must be kept to be worth its position in this step. A step of n tokens takes about
-        fixed + per_token x n seconds (PrefillBudget's line); one more position costs per_token and gains its
-        chance p of being kept, so it raises the batch's tokens per second when p > per_token x B / (fixed +
-        per_token x B), B being the requests in the batch: near 0 at one stream (a step is the weights'
-        streaming), near 1 when the batch is compute-bound. 0 (draft all) until the line is known. Raised by
-        DRAFT_MARGIN (speculative.py) for what the line does not see."""
-        line = self.prefill_budget.line()
-        if line is None:
-            return 0.0
-        fixed, per_token = max(line[0], 0.0), line[1]
-        batch = max(len(self.running), 1) * per_token
-        return min(1.0, (1 + DRAFT_MARGIN) * batch / (fixed + batch))
-
     def _draft(self, request: Request, room: int) -> int:
         """Give a decoding request its drafts for this step: at most `room`, as many as pay (an MTP request's were
         limited when drafted), never past its max_tokens after the token it samples anyway; how many."""
@@ -195,12 +182,7 @@ class Scheduler:
         return len(drafts)
 
     def _worth(self, drafter: Drafter) -> int:
-        """Drafts worth verifying this step (Drafter.length; every PROBE_EVERY-th step probes). The threshold is
-        refitted when the batch changed or PROBE_EVERY steps passed: ~10 us, a tenth of a small model's step."""
-        kept = self._threshold
-        if kept is None or kept[1] != len(self.running) or self.num_steps - kept[0] >= PROBE_EVERY:
-            kept = self._threshold = (self.num_steps, len(self.running), self._draft_threshold())
-        return drafter.length(kept[2], self.num_steps % PROBE_EVERY == 0)
+        return self.pacing.worth(drafter, self.num_steps, len(self.running), self.prefill_budget.line)
 
     def _lookahead(self, request: Request, num_new: int, hits: list[int] | tuple = ()) -> int:
         """Cache slots an MTP-drafting request needs past this step's tokens, and its draft limit: its layer's k
@@ -230,7 +212,7 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(request)
         now = time.time()
         tokens = output.sampled_token_ids
-        row = 0
+        row = drafted = accepted_lookups = 0
         step.emitted, step.draft_logprobs = [], []
         for request in step.samplers:
             drafts = request.draft_token_ids
@@ -250,6 +232,8 @@ class Scheduler:
             if drafts:
                 accepted = request.drafter.settle(emitted, drafts)
                 kept_logprobs = request.drafter.accepted_logprobs(accepted)
+                if not request.drafter.runs_in_step:
+                    drafted, accepted_lookups = drafted + len(drafts), accepted_lookups + accepted
                 request.metrics.num_draft_tokens += len(drafts)
                 request.metrics.num_accepted_tokens += accepted
                 request.draft_token_ids = []
@@ -265,6 +249,8 @@ class Scheduler:
             m.model_execute_time = now - m.arrival_time
             step.emitted.append(emitted)
             step.draft_logprobs.append(kept_logprobs)
+        if drafted:
+            self.pacing.record(drafted, accepted_lookups)
         mtp = step.model_input.mtp
         if mtp is not None:
             for i, drafts, logprobs in zip(mtp.batch_index.tolist(), output.draft_token_ids, output.draft_logprobs):
@@ -278,6 +264,8 @@ class Scheduler:
         the end of its thinking budget (reasoning_max_tokens), where the output processor cut it."""
         if count:
             del request.token_ids[-count:]
+            if request.drafter is not None:
+                request.drafter.rewind(request.num_tokens)
             request.unuse_uniforms(count)
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
 
