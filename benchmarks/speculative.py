@@ -20,7 +20,9 @@ with an MTP layer (tools/random_checkpoint.py). Each (workload, streams) pair ru
 speculative_config alternately, --repeats times each, on one LLM per setting; the best of each is reported with the
 ratio and the accepted share of the drafts (one stream: decode tok/s after the first token; more: output tok/s);
 "paired ratio" is the median over the repeats of each speculative run's rate over the plain run just before it,
-which a machine whose speed drifts between runs moves less than the ratio of the bests.
+which a machine whose speed drifts between runs moves less than the ratio of the bests. `--control` adds a second
+plain LLM to the rotation and prints its paired ratio to the first: how far apart two identical instances run on
+this machine, the resolution of the other ratios.
 `--speculative-config JSON` replaces the config built from --method and --num-speculative-tokens (e.g. MTP with
 "mtp_strategy": "with_ngram"). Prints the kernels' ISA: compare figures only between runs on the same
 kind of machine.
@@ -102,7 +104,8 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--control", action="store_true", help="a second plain LLM, to show the instances' spread")
     parser.add_argument("--speculative-config", type=json.loads, help="the whole speculative_config, as JSON")
     parser.add_argument("--llama-bin", type=Path, help="llama.cpp's build/bin (llama-bench, llama-lookup, llama-server)")
     parser.add_argument("--gguf", type=Path, help="with --llama-bin: the same model as GGUF")
@@ -118,18 +121,20 @@ def main() -> None:
     common = dict(model=args.model, quantization=args.quantization, max_model_len=args.max_model_len,
                   max_num_seqs=max(streams))
     llms = {"plain": LLM(**common), "spec": LLM(**common, speculative_config=spec)}
+    if args.control:
+        llms["control"] = LLM(**common)
     vocab = llms["plain"].engine.vocab_size
     rt = runtime_info()
     print(f"kernels {rt['active_isa']} of {rt['detected_isa']}, {rt['num_threads']} threads; model {args.model} "
           f"({args.quantization or 'as stored'}); {args.max_tokens} output tokens; speculative_config {spec}")
     rows = []
     cases = [(w, s) for w in args.workloads.split(",") for s in streams]
-    with tqdm(total=len(cases) * args.repeats * 2, desc="runs") as bar:
+    with tqdm(total=len(cases) * args.repeats * len(llms), desc="runs") as bar:
         for workload, n in cases:
             batch = prompts(workload, n, seed=n, vocab=vocab)
             for llm in llms.values():  # warm-up
                 run(llm, batch[:1], 8, workload)
-            rates: dict[str, list[float]] = {"plain": [], "spec": []}
+            rates: dict[str, list[float]] = {name: [] for name in llms}
             drafted = accepted = 0
             for _ in range(args.repeats):
                 for name, llm in llms.items():
@@ -142,15 +147,19 @@ def main() -> None:
             rows.append(dict(workload=workload, streams=n, plain=max(rates["plain"]), spec=max(rates["spec"]),
                              paired=paired, method=args.method, drafted=drafted, accepted=accepted,
                              isa=rt["active_isa"], model=args.model, quantization=args.quantization))
+            if args.control:
+                rows[-1]["control"] = float(np.median(np.divide(rates["control"], rates["plain"])))
             if args.llama_bin and workload == "copy" and n == 1:
                 rows[-1]["llama"] = llama_cpp_ngram.best_of(args.llama_bin, args.gguf, batch[0], args.max_tokens,
                                                             args.num_speculative_tokens, args.repeats)
-    print(f"| workload | streams | plain tok/s | {args.method} tok/s | ratio | paired ratio | drafts accepted |")
-    print("|---|---|---|---|---|---|---|")
+    control = " control paired |" if args.control else ""
+    print(f"| workload | streams | plain tok/s | {args.method} tok/s | ratio | paired ratio | drafts accepted |{control}")
+    print("|---|---|---|---|---|---|---|" + "---|" * bool(control))
     for r in rows:
         share = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "no drafts"
         print(f"| {r['workload']} | {r['streams']} | {r['plain']:.1f} | {r['spec']:.1f} | "
-              f"{r['spec'] / r['plain']:.2f}x | {r['paired']:.2f}x | {share} |")
+              f"{r['spec'] / r['plain']:.2f}x | {r['paired']:.2f}x | {share} |"
+              + (f" {r['control']:.2f}x |" if "control" in r else ""))
     for r in (r for r in rows if "llama" in r):
         print("llama.cpp, copy, one stream, decode tok/s (best of each): " + ", ".join(
             f"{mode} {m['rate']:.1f}" + (f" ({m['accepted']}/{m['drafted']} drafts accepted)" if m["drafted"] else "")

@@ -12,6 +12,7 @@ from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestMetrics
 from fastdeploy.engine.scheduler import Scheduler
 from fastdeploy.engine.step_builder import SteadyDecode
+from fastdeploy.speculative import Drafter
 from fastdeploy.step_types import ModelRunnerOutput
 
 PARAMS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=5), dict(temperature=0, repetition_penalty=1.3),
@@ -47,16 +48,32 @@ def assert_same(a, b, where: str) -> None:
         assert a == b, where
 
 
-@pytest.mark.parametrize("num_blocks", [64, 9])  # 9: requests get preempted and come back
-def test_moved_on_steps_are_the_steps_built_anew(num_blocks: int) -> None:
+class EverySeventhDrafter(Drafter):
+    """Drafts the last `limit` tokens again when the context's length is a multiple of 7: the same in both worlds."""
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        return list(tokens[-limit:]) if len(tokens) % 7 == 0 else []
+
+
+@pytest.mark.parametrize("num_blocks, drafting", [(64, False), (9, False), (64, True), (9, True)])
+def test_moved_on_steps_are_the_steps_built_anew(num_blocks: int, drafting: bool, monkeypatch) -> None:
     """Two schedulers over the same requests and tokens, one of them never moving a step on: every step's
-    SchedulerOutput is the same, with requests joining, finishing, being preempted, forced tokens, a request
-    below min_tokens, sampled and penalised rows; and steps were moved on, block tables growing under them."""
+    SchedulerOutput is the same, with requests joining, finishing, being preempted (9 blocks), forced tokens, a
+    request below min_tokens, sampled and penalised rows, and drafting steps between (whose drafts jump a request
+    across blocks of 4 tokens, some rejected and their blocks freed); and steps were moved on, block tables growing
+    under them, right after drafting steps too."""
+    from fastdeploy.speculative import DraftPacing, SpeculativeConfig
+
+    monkeypatch.setattr(DraftPacing, "drafts_now", lambda pacing, step, batch, seconds: True)
     steady, steady_requests = world(num_blocks, budget=16)
     built, built_requests = world(num_blocks, budget=16)
+    if drafting:
+        for r in steady_requests + built_requests:
+            r.drafter = EverySeventhDrafter(SpeculativeConfig("ngram", 3))
     built._steady = types.SimpleNamespace(advance=lambda *args: None, keep=lambda step: None, forget=lambda: None)
     rng = np.random.default_rng(0)
-    moved = grown = widened = 0
+    moved = grown = widened = after_drafts = 0
+    drafted = False
     for step_number in range(200):
         for world_requests, scheduler in ((steady_requests, steady), (built_requests, built)):
             if step_number % 7 == 0 and world_requests:  # requests arrive while others decode
@@ -71,6 +88,7 @@ def test_moved_on_steps_are_the_steps_built_anew(num_blocks: int) -> None:
         a, b = steady.schedule(), built.schedule()
         if kept is not None and a is kept:
             moved += 1
+            after_drafts += drafted
             forward = a.model_input.forward  # only SteadyDecode may write the arrays it moves on
             for array in (forward.token_ids, forward.positions, forward.context_lens, forward.block_tables,
                           a.model_input.sampling.uniforms):
@@ -80,11 +98,16 @@ def test_moved_on_steps_are_the_steps_built_anew(num_blocks: int) -> None:
             widened += a.model_input.forward.block_tables.shape[1] > width
         assert_same(a.model_input, b.model_input, f"step {step_number}")
         assert [r.request_id for r in a.samplers] == [r.request_id for r in b.samplers]
-        tokens = rng.integers(2, 50, size=len(a.samplers)).tolist()
+        tokens = []  # a draft is accepted (its token sampled) half the time
+        for r in a.samplers:
+            tokens += [d if rng.random() < 0.5 else int(rng.integers(2, 50)) for d in r.draft_token_ids]
+            tokens.append(int(rng.integers(2, 50)))
+        drafted = len(a.rows) > len(a.samplers)
         steady.update_from_output(a, ModelRunnerOutput(tokens))
         built.update_from_output(b, ModelRunnerOutput(tokens))
     assert not steady.has_unfinished() and not built.has_unfinished()
-    assert moved > 10 and grown > 0 and widened > 0
+    assert moved > 10 and grown > 0 and widened > 0, (moved, grown, widened)
+    assert (after_drafts >= 2) == drafting, (moved, after_drafts)
     assert (steady.num_preemptions > 0) == (num_blocks == 9)
 
 

@@ -229,14 +229,22 @@ def _owned(array: np.ndarray) -> memoryview:
 class SteadyDecode:
     """The last step when it was plain decoding (see the module's doc), to be moved on by `advance`."""
 
-    __slots__ = ("step", "sampled_rows", "_ids", "_positions", "_context_lens", "_tables", "_uniforms")
+    __slots__ = ("step", "sampled_rows", "jumped", "_ids", "_positions", "_context_lens", "_tables", "_uniforms")
 
     def __init__(self) -> None:
         self.step: ScheduledStep | None = None
         self.sampled_rows: list[int] = []  # rows that draw a uniform (not greedy)
+        self.jumped = False  # a drafting step of the kept step's requests ran since it was last used
 
     def keep(self, step: ScheduledStep) -> None:
-        """Keep a freshly built step if it is plain decoding: one token per request, each sampling."""
+        """Keep a freshly built step if it is plain decoding: one token per request, each sampling. A drafting step
+        of the kept step's requests (each decoding, some with drafts) leaves the kept step for the steps after it."""
+        kept = self.step
+        if (kept is not None and len(step.requests) == len(kept.requests) and len(step.rows) > len(step.samplers)
+                and all(a is b and n == 1 + len(a.draft_token_ids)
+                        for a, b, n in zip(step.requests, kept.requests, step.num_new_tokens))):
+            self.jumped = True
+            return
         forward = step.model_input.forward
         plain = (0 < len(forward.token_ids) == len(step.requests) == len(step.samplers) and not step.prompt_rows
                  and forward.token_types is None and sampler_alone(step.model_input)
@@ -262,6 +270,9 @@ class SteadyDecode:
                 or any(r.forced_tokens for r in requests)):
             return None
         forward = step.model_input.forward
+        if self.jumped:  # the drafting steps since may have crossed blocks (and rejected drafts' were freed)
+            forward.block_tables = block_manager.table_array([r.request_id for r in requests])
+            self._tables, self.jumped = _owned(forward.block_tables), False
         size, width = block_manager.block_size, forward.block_tables.shape[1]
         for i, request in enumerate(requests):
             position = request.num_computed_tokens
