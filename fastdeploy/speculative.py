@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,87 +111,52 @@ def checkpoint_has_mtp(tensor_names: Sequence[str]) -> bool:
     return any(".mtp_linear_proj.0." in n for n in tensor_names)
 
 
-# Every this many steps a request whose drafts do not pay still drafts one token, to notice when they would; all
-# requests on the same steps, so that the steps between stay plain decoding (moved on in place).
-PROBE_EVERY = 8
-# While drafting steps do not pay for a batch (DraftPacing), only every this many steps drafts, to notice when they
-# would: a probe is a step built anew, and so is the one after it.
-PROBE_IDLE_EVERY = 32
-# A draft is verified when its chance of being kept beats the step line's break-even by this share, for what the
-# line does not see. Measured on the 0.3B shape at 64 streams, wint4: drafts kept 96 % of the time, above a
-# break-even of ~0.94, still cost 4-11 %.
-DRAFT_MARGIN = 0.1
-# Weight of a drafting step's outcome in DraftPacing's running means.
-SMOOTHING = 0.25
-
-
-class DraftPacing:
-    """How much the scheduler drafts by lookup (the MTP layer drafts inside the step, at its own pace).
-
-    Per draft: verified when its chance of being kept beats the break-even of the measured step line (`worth`).
-    Per step: a step with drafts costs more than its extra positions, as it is built anew instead of moved on in
-    place (engine/step_builder.py's SteadyDecode), its drafts are looked up and its rows sampled apart; with a few
-    requests drafting in a large batch of a small model that fixed cost is far more than what they gain. So a
-    batch drafts while the tokens a drafting step gained (a running mean), each worth a plain step's time over
-    the batch, outweigh what a drafting step took over a plain one (the step times by size the scheduler
-    measures); else only every PROBE_IDLE_EVERY-th step drafts, keeping both measures fresh."""
-
-    __slots__ = ("_threshold", "gained", "drafted")
-
-    def __init__(self) -> None:
-        self._threshold: tuple[int, int, float] | None = None  # (step, batch, threshold) as last fitted
-        self.gained: float | None = None  # tokens accepted per drafting step (running mean)
-        self.drafted = 1.0  # drafts per drafting step (running mean)
-
-    def drafts_now(self, step: int, batch: int, seconds: Mapping[int, float]) -> bool:
-        """Whether lookup drafters draft in this step of `batch` decoding requests, `seconds` the measured step
-        times by step size (None: not measured yet, so it drafts and measures)."""
-        if self.gained is None or not batch or step % PROBE_IDLE_EVERY == 0:
-            return True
-        plain, drafting = seconds.get(batch), seconds.get(batch + max(1, round(self.drafted)))
-        return plain is None or drafting is None or self.gained * plain / batch > drafting - plain
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """A step verified `drafted` lookup drafts and kept `accepted` of them."""
-        if self.gained is None:
-            self.gained, self.drafted = float(accepted), float(drafted)
-        else:
-            self.gained += SMOOTHING * (accepted - self.gained)
-            self.drafted += SMOOTHING * (drafted - self.drafted)
-
-    def worth(self, drafter: Drafter, step: int, batch: int, line: Callable[[], tuple[float, float] | None]) -> int:
-        """Drafts worth verifying in this step (Drafter.length; every PROBE_EVERY-th step probes). The threshold is
-        refitted from `line()` when the batch changed or PROBE_EVERY steps passed: ~10 us, a tenth of a small
-        model's step."""
-        kept = self._threshold
-        if kept is None or kept[1] != batch or step - kept[0] >= PROBE_EVERY:
-            kept = self._threshold = (step, batch, draft_threshold(line(), batch))
-        return drafter.length(kept[2], step % PROBE_EVERY == 0)
-
-
-def draft_threshold(line: tuple[float, float] | None, batch: int) -> float:
-    """How likely a draft must be kept to be worth its position in a step of `batch` requests. A step of n
-    tokens takes about fixed + per_token x n seconds (`line`, the scheduler's measure); one more position costs
-    per_token and gains its chance p of being kept, so it raises the batch's tokens per second when
-    p > per_token x batch / (fixed + per_token x batch): near 0 at one stream (a step is the weights' streaming),
-    near 1 when the batch is compute-bound. 0 (draft all) until the line is known. Raised by DRAFT_MARGIN."""
-    if line is None:
-        return 0.0
-    fixed, per_token = max(line[0], 0.0), line[1]
-    cost = max(batch, 1) * per_token
-    return min(1.0, (1 + DRAFT_MARGIN) * cost / (fixed + cost))
+# Weight of a lookup's outcome in a request's running means (Drafter.hit, .gain, .reach).
+LOOKUP_SMOOTHING = 0.25
 
 
 class Drafter:
     """A request's draft source, with how often its drafts were accepted: the scheduler drafts only as many tokens
     as pay for themselves in the step at hand (`length`)."""
 
-    __slots__ = ("k", "verified", "accepted")
+    __slots__ = ("k", "verified", "accepted", "hit", "gain", "reach", "watched", "matched")
     runs_in_step = False  # whether the model runner makes the drafts (MTP) rather than the scheduler
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.verified = self.accepted = 0  # draft positions compared with the model's token, and kept
+        # Running means over its lookups (a request that starts to repeat itself shows within a few): how often one
+        # finds drafts, and then how many it verifies and how many of those are kept. An untried request is worth
+        # a look: one found, one kept.
+        self.hit = self.gain = self.reach = 1.0
+        self.watched: list[int] = []  # drafts looked up but not verified (`watch`), and how many came true so far
+        self.matched = 0
+
+    def looked_up(self, drafts: int) -> None:
+        """The scheduler asked for drafts and verifies `drafts` of them (their outcome: `settle`)."""
+        self.hit += LOOKUP_SMOOTHING * (bool(drafts) - self.hit)
+        if drafts:
+            self.reach += LOOKUP_SMOOTHING * (drafts - self.reach)
+
+    def watch(self, drafts: list[int]) -> None:
+        """Drafts looked up while the batch does not verify any (DraftPacing): `witness` holds them against the
+        tokens that follow, which keeps as many as verifying them would have, and counts those as a step's gain."""
+        self.looked_up(len(drafts))
+        self.watched, self.matched = drafts, 0
+
+    def witness(self, tokens: Sequence[int]) -> None:
+        """The tokens a step emitted, against the drafts being watched."""
+        watched = self.watched
+        for token in tokens:
+            if token != watched[self.matched]:
+                break
+            self.matched += 1
+            if self.matched == len(watched):
+                break
+        else:
+            return  # all of them so far came true: the next tokens tell more
+        self.gain += LOOKUP_SMOOTHING * (self.matched - self.gain)
+        self.watched = []
 
     def record(self, verified: int, accepted: int) -> None:
         self.verified += verified
@@ -202,6 +167,7 @@ class Drafter:
         that differs); how many drafts were accepted."""
         accepted = sum(t == d for t, d in zip(emitted, drafts))
         self.record(min(len(emitted), len(drafts)), accepted)
+        self.gain += LOOKUP_SMOOTHING * (accepted - self.gain)
         return accepted
 
     def accepted_logprobs(self, accepted: int) -> list[Any]:
@@ -210,10 +176,11 @@ class Drafter:
 
     def rewind(self, num_tokens: int) -> None:
         """The request's tokens past the first num_tokens were taken back (Scheduler.take_back)."""
+        self.watched = []
 
     def length(self, threshold: float, probe: bool = False) -> int:
         """Drafts worth verifying when a draft must be kept with probability above `threshold` to pay for its
-        position in the step (draft_threshold). The j-th draft is kept with about a^j, a being this
+        position in the step (engine/drafting.py's draft_threshold). The j-th draft is kept with about a^j, a being this
         request's acceptance so far (with a prior of one kept and one rejected). On a `probe` step one draft is
         tried even when none pays: the acceptance or the step's cost may have changed."""
         rate = (self.accepted + 1) / (self.verified + 2)
@@ -236,6 +203,7 @@ class NgramDrafter(Drafter):
         self.packed = bytearray()  # the context's first len(packed) // 4 tokens, int32
 
     def rewind(self, num_tokens: int) -> None:
+        super().rewind(num_tokens)
         del self.packed[4 * num_tokens:]
 
     def propose(self, tokens: Sequence[int], limit: int, then: Sequence[int] = ()) -> list[int]:
@@ -248,7 +216,10 @@ class NgramDrafter(Drafter):
         longest = min(self.max_n, last + len(then))
         if longest < self.min_n:
             return []
-        tail = array("i", [*tokens[-longest:], *then][-longest:]).tobytes()
+        if then:
+            tail = array("i", [*tokens[-longest:], *then][-longest:]).tobytes()
+        else:
+            tail = bytes(packed[-4 * longest:])
         # Where the shortest suffix never occurred, no longer one did: one scan, not max - min + 1.
         start = _last_end(packed, tail[-4 * self.min_n:], 4 * last)
         n = longest

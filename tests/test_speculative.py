@@ -194,10 +194,10 @@ class OracleDrafter(Drafter):
 def use_oracle(monkeypatch, expected: list, seed: int) -> None:
     """The engine drafts with OracleDrafter, in every step: the tests are of the verification, not of when drafting
     pays (which follows measured step times)."""
-    from fastdeploy.speculative import DraftPacing
+    from fastdeploy.engine.drafting import DraftPacing
 
     monkeypatch.setattr("fastdeploy.engine.engine.NgramDrafter", OracleDrafter(expected, np.random.default_rng(seed)))
-    monkeypatch.setattr(DraftPacing, "drafts_now", lambda pacing, step, batch, seconds: True)
+    monkeypatch.setattr(DraftPacing, "verifies", lambda pacing, requests, step: True)
 
 
 def model_path(name: str) -> str:
@@ -310,10 +310,10 @@ def test_ngram_drafts_on_the_demo_model_are_accepted_and_change_nothing(monkeypa
     test_a_batch_drafts_... check those rules), which would make the count below depend on the machine's load."""
     from pathlib import Path
 
-    from fastdeploy.speculative import DraftPacing
+    from fastdeploy.engine.drafting import DraftPacing
 
     monkeypatch.setattr(Drafter, "length", lambda drafter, threshold, probe=False: drafter.k)
-    monkeypatch.setattr(DraftPacing, "drafts_now", lambda pacing, step, batch, seconds: True)
+    monkeypatch.setattr(DraftPacing, "verifies", lambda pacing, requests, step: True)
 
     demo = str(Path(__file__).parents[1] / "models" / "ernie-4.5-demo")
     prompts = ["The list type is a mutable sequence type. The list type", "class C:\n    def __init__(self, value):\n"]
@@ -331,7 +331,7 @@ def test_draft_length_follows_acceptance_and_the_steps_cost() -> None:
     for every request)."""
     from fastdeploy.engine.block_manager import BlockManager
     from fastdeploy.engine.scheduler import Scheduler
-    from fastdeploy.speculative import PROBE_EVERY
+    from fastdeploy.engine.drafting import PROBE_EVERY
 
     drafter = Drafter(SpeculativeConfig("ngram", 4))
     assert drafter.length(0.0) == 4 and drafter.length(0.49) == 1 and drafter.length(0.5) == 0
@@ -339,7 +339,7 @@ def test_draft_length_follows_acceptance_and_the_steps_cost() -> None:
     assert [drafter.length(t) for t in (0.1, 0.65, 0.75, 0.85)] == [4, 3, 2, 1]
     assert [drafter.length(0.95, probe) for probe in (False, True)] == [0, 1]
     assert drafter.length(0.1, probe=True) == 4 and drafter.length(1.0, probe=True) == 1
-    scheduler = Scheduler(BlockManager(64, 16, False), 64, 2048, True)
+    scheduler = Scheduler(BlockManager(64, 16, False), 64, 2048, True, speculative=True)
     scheduler.prefill_budget.seconds.update({1: 0.011, 16: 0.026, 64: 0.074})  # threshold 0.68 at 16 requests
     idle = Drafter(SpeculativeConfig("ngram", 4))
     idle.record(100, 0)
@@ -348,13 +348,15 @@ def test_draft_length_follows_acceptance_and_the_steps_cost() -> None:
         scheduler.running = []
         scheduler.schedule()
         scheduler.running = [object()] * 16
-        lengths.append(scheduler._worth(idle))
+        lengths.append(scheduler.pacing.worth(idle, scheduler.num_steps, len(scheduler.running)))
     assert lengths == ([0] * (PROBE_EVERY - 1) + [1]) * 3
 
 
 def test_draft_threshold_from_the_measured_step_line() -> None:
+    """The threshold from the line of all steps; decoding steps are timed apart too when steady (moved on, or with
+    drafts: what DraftPacing weighs)."""
+    from fastdeploy.engine.drafting import draft_threshold
     from fastdeploy.engine.scheduler import PrefillBudget
-    from fastdeploy.speculative import draft_threshold
 
     budget = PrefillBudget(2048)
     assert draft_threshold(budget.line(), 16) == 0.0  # the line is not known yet
@@ -362,37 +364,90 @@ def test_draft_threshold_from_the_measured_step_line() -> None:
     assert draft_threshold(budget.line(), 16) == pytest.approx(1.1 * 16 / 26, rel=1e-6)  # with the 10 % margin
     assert draft_threshold(budget.line(), 1) == pytest.approx(1.1 * 1 / 11, rel=1e-6)
     assert draft_threshold(budget.line(), 128) == 1.0  # 1.1 x 128 / 138 > 1: compute-bound, nothing pays
+    budget = PrefillBudget(2048, clock=iter([0.0, 1.0, 1.003, 1.005, 1.01, 1.02]).__next__)  # read as a step begins
+    for tokens, decoding in ((512, False), (2, True), (4, True), (8, True), (8, True)):  # the first is not counted
+        budget.step_begins()
+        budget.step_scheduled(tokens, decoding)
+        budget.step_applied(more_work=True)
+    assert list(budget.decode_seconds.items()) == [  # slower than its mean, a step moves it by a sixteenth
+        (2, pytest.approx(0.003)), (4, pytest.approx(0.002)), (8, pytest.approx(0.005))]
+    budget.step_begins()
+    assert budget.decode_seconds[8] == pytest.approx(0.005 + (0.01 - 0.005) / 16)
+    assert set(budget.seconds) == {2, 4, 8}
+    assert budget.line(budget.decode_seconds)[1] == pytest.approx(
+        np.polyfit([2, 4, 8], [0.003, 0.002, 0.005 + 0.005 / 16], 1)[0])
 
 
-def test_a_batch_drafts_while_its_drafting_steps_pay_for_their_fixed_cost() -> None:
-    """A drafting step's gain (accepted tokens, each a plain step's time over the batch) against its measured extra
-    time: below, only every PROBE_IDLE_EVERY-th step drafts; nothing measured yet, it drafts."""
-    from fastdeploy.speculative import PROBE_IDLE_EVERY, DraftPacing
+class Steps:
+    """Measured step times for DraftPacing: decoding steps' by size, and the line."""
 
-    seconds = {16: 0.0016, 17: 0.0020}  # a drafting step of one draft: 0.4 ms more; a token is worth 0.1 ms
-    pacing = DraftPacing()
-    assert all(pacing.drafts_now(step, 16, seconds) for step in range(1, 40))
-    pacing.record(drafted=1, accepted=1)  # 1 token gained: 0.1 ms < 0.4 ms
-    assert [step for step in range(1, 100) if pacing.drafts_now(step, 16, seconds)] == [
-        PROBE_IDLE_EVERY, 2 * PROBE_IDLE_EVERY, 3 * PROBE_IDLE_EVERY]
-    assert pacing.drafts_now(1, 16, {16: 0.0016})  # the drafting step's size not measured: it drafts to measure
-    for _ in range(20):
-        pacing.record(drafted=6, accepted=5)  # a copying batch: ~5 tokens a step, 0.5 ms
-    seconds[22] = 0.0020
-    assert pacing.drafts_now(1, 16, seconds)
-    for _ in range(20):
-        pacing.record(drafted=6, accepted=2)
-    assert not pacing.drafts_now(1, 16, seconds)  # ~0.2 ms gained against 0.4 ms
-    assert pacing.drafts_now(1, 1, {1: 0.00026, 7: 0.0003})  # one stream: 2 tokens of 0.26 ms against 0.04 ms
+    def __init__(self, decode_seconds: dict[int, float], line: tuple[float, float] | None = None) -> None:
+        self.decode_seconds, self._line = decode_seconds, line
+
+    def line(self, table=None):
+        return self._line
 
 
-def test_the_engine_drafts_only_on_probe_steps_while_drafting_steps_do_not_pay(monkeypatch) -> None:
-    """The pacing wired into the scheduler, its measured step times replaced by a fixed table: while a drafting step
-    costs more than any draft can gain, only every PROBE_IDLE_EVERY-th step drafts; once drafting steps are cheap,
-    the probes' accepted drafts reopen drafting at every step. The tokens are those without speculation."""
+def test_a_batch_verifies_drafts_while_they_pay_for_a_drafting_steps_cost() -> None:
+    """What a step with drafts gains (its requests' lookups: how often each finds drafts, how many it verifies and
+    keeps; each token worth a plain step's time over the batch) against the measured extra time of a step with as
+    many drafts. A plain step of the batch is measured first; a drafting size not measured is priced by the
+    decoding steps' line, and with neither known, the step verifies to measure."""
+    from types import SimpleNamespace
+
+    from fastdeploy.engine.block_manager import BlockManager
+    from fastdeploy.engine.drafting import DraftPacing
+
+    def batch(hit: float, reach: float, gain: float, n: int = 16) -> list:
+        requests = []
+        for _ in range(n):
+            drafter = Drafter(SpeculativeConfig("ngram", 4))
+            drafter.hit, drafter.reach, drafter.gain = hit, reach, gain
+            requests.append(SimpleNamespace(drafter=drafter))
+        return requests
+
+    def verifies(requests: list, seconds: dict[int, float], line: tuple[float, float] | None = None) -> bool:
+        return DraftPacing(BlockManager(8, 16, False), Steps(seconds, line)).verifies(requests, step=1)
+
+    seconds = {16: 0.0016, 17: 0.0020}  # a draft more: 0.4 ms; a token is worth 1.6 / 16 = 0.1 ms
+    assert not verifies(batch(hit=0.05, reach=1.0, gain=0.5), seconds)  # a step with ~1.4 drafts gains 0.07 ms
+    untried = batch(1.0, 1.0, 1.0)  # 16 tokens for a step of 32: not measured
+    assert verifies(untried, seconds)
+    assert not verifies(untried, seconds, (0.0, 0.0004))  # the line: 16 x 0.4 ms for 1.6 ms
+    assert verifies(untried, seconds, (0.0, 0.00005))  # 16 x 0.05 ms
+    copying, sampled = batch(0.9, 4.0, 3.5), batch(0.9, 4.0, 1.0)
+    seconds[16 + 58] = 0.006  # 16 x 0.9 x 4 drafts: 4.4 ms more
+    assert verifies(copying, seconds)  # 50 tokens, 5 ms
+    assert not verifies(sampled, seconds)  # 14 tokens, 1.4 ms
+    assert not verifies(copying, {74: 0.006})  # a plain step of the batch is measured first
+    one = batch(0.2, 4.0, 3.0, n=1)  # a lookup seldom finds drafts, but those it finds pay: 3 x 0.26 ms, 0.04 ms
+    assert verifies(one, {1: 0.00026, 5: 0.0003})
+
+
+def test_watched_drafts_count_what_verifying_them_would_have_kept() -> None:
+    drafter = NgramDrafter(SpeculativeConfig.from_dict(NGRAM))
+    drafter.watch([5, 6, 7, 8])
+    assert drafter.hit == 1.0 and drafter.reach == 1.75
+    drafter.witness([5])
+    drafter.witness([6])
+    assert drafter.watched and drafter.gain == 1.0  # two came true so far: not settled
+    drafter.witness([9])  # the third did not: verifying would have kept 2
+    assert not drafter.watched and drafter.gain == pytest.approx(1.25)
+    drafter.watch([])  # a lookup that finds nothing
+    assert drafter.hit == pytest.approx(0.75) and not drafter.watched
+    drafter.watch([1, 2])
+    drafter.witness([1, 2, 3])  # a step of three tokens: both came true
+    assert not drafter.watched and drafter.gain == pytest.approx(1.25 + 0.25 * (2 - 1.25))
+    drafter.watch([4])
+    drafter.rewind(3)  # tokens taken back: what is watched no longer follows the context
+    assert not drafter.watched
+
+
+def test_the_engine_watches_drafts_while_verifying_them_does_not_pay(monkeypatch) -> None:
+    """The pacing wired into the scheduler, its measured decoding step times replaced by a fixed table: while a
+    drafting step costs more than any draft can gain, no step drafts, yet the drafts are watched (and found to
+    come true); once drafting steps are cheap, they are verified. The tokens are those without speculation."""
     from pathlib import Path
-
-    from fastdeploy.speculative import PROBE_IDLE_EVERY, DraftPacing
 
     demo = str(Path(__file__).parents[1] / "models" / "ernie-4.5-demo")
     prompt = ["The list type is a mutable sequence type. The list type"]
@@ -406,24 +461,16 @@ def test_the_engine_drafts_only_on_probe_steps_while_drafting_steps_do_not_pay(m
         def get(self, size, default=None):
             return 0.001 + (drafting_cost["seconds"] if size > len(scheduler.running) else 0.0)
 
-    drafts_now = DraftPacing.drafts_now
-    monkeypatch.setattr(DraftPacing, "drafts_now", lambda pacing, step, batch, seconds:
-                        drafts_now(pacing, step, batch, Table()))
-    drafting_steps: list[int] = []
-    schedule = scheduler.schedule
-
-    def logged_schedule():
-        step = schedule()
-        if any(r.draft_token_ids for r in step.requests):
-            drafting_steps.append(scheduler.num_steps)
-        return step
-    monkeypatch.setattr(scheduler, "schedule", logged_schedule)
-    for cost, reopened in ((0.004, False), (0.0001, True)):
-        drafting_cost["seconds"], drafting_steps[:] = cost, []
+    scheduler.prefill_budget.decode_seconds = Table()
+    gains: list[float] = []
+    watch = NgramDrafter.watch
+    monkeypatch.setattr(NgramDrafter, "watch", lambda drafter, drafts: gains.append(drafter.gain) or
+                        watch(drafter, drafts))
+    for cost, verified in ((0.004, False), (0.0001, True)):
+        drafting_cost["seconds"], gains[:] = cost, []
         got = llm.generate(prompt, params, use_tqdm=False)[0]
         assert got.outputs.token_ids == expected
-        idle = [s for s in drafting_steps[1:] if s % PROBE_IDLE_EVERY]  # the first: the pacing's first measure
-        if reopened:
-            assert len(idle) > 10 and got.metrics.num_accepted_tokens > 10, drafting_steps
+        if verified:
+            assert got.metrics.num_accepted_tokens > 10 and not gains
         else:
-            assert not idle and len(drafting_steps) >= 3, drafting_steps
+            assert got.metrics.num_draft_tokens == 0 and len(gains) > 10 and gains[-1] > 1.5, gains

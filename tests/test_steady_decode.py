@@ -19,11 +19,11 @@ PARAMS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=5), dict(te
           dict(temperature=0, min_tokens=4), dict(temperature=0.7, seed=9, logprobs=2)]
 
 
-def world(num_blocks: int, budget: int) -> tuple[Scheduler, list[Request]]:
+def world(num_blocks: int, budget: int, speculative: bool = False) -> tuple[Scheduler, list[Request]]:
     """A scheduler (block size 4: tables grow often) and five requests, one per kind of PARAMS."""
     scheduler = Scheduler(BlockManager(num_blocks, 4, enable_prefix_caching=False), max_num_seqs=4,
                           max_num_batched_tokens=budget, enable_chunked_prefill=True,
-                          clock=lambda: 0.0)  # every step measures 0 s: both cut prompts alike
+                          clock=lambda: 0.0, speculative=speculative)  # every step 0 s: both cut prompts alike
     requests = [Request(request_id=str(i), prompt_token_ids=list(range(3 + 2 * i)),
                         params=Params(**p).with_model_defaults({}), max_tokens=30 - 3 * i,
                         eos_token_ids=frozenset({1}), generator=np.random.default_rng(i),
@@ -62,11 +62,12 @@ def test_moved_on_steps_are_the_steps_built_anew(num_blocks: int, drafting: bool
     request below min_tokens, sampled and penalised rows, and drafting steps between (whose drafts jump a request
     across blocks of 4 tokens, some rejected and their blocks freed); and steps were moved on, block tables growing
     under them, right after drafting steps too."""
-    from fastdeploy.speculative import DraftPacing, SpeculativeConfig
+    from fastdeploy.engine.drafting import DraftPacing
+    from fastdeploy.speculative import SpeculativeConfig
 
-    monkeypatch.setattr(DraftPacing, "drafts_now", lambda pacing, step, batch, seconds: True)
-    steady, steady_requests = world(num_blocks, budget=16)
-    built, built_requests = world(num_blocks, budget=16)
+    monkeypatch.setattr(DraftPacing, "verifies", lambda pacing, requests, step: True)
+    steady, steady_requests = world(num_blocks, budget=16, speculative=drafting)
+    built, built_requests = world(num_blocks, budget=16, speculative=drafting)
     if drafting:
         for r in steady_requests + built_requests:
             r.drafter = EverySeventhDrafter(SpeculativeConfig("ngram", 3))

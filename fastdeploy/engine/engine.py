@@ -64,7 +64,8 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.kv_cache_ratio)
+                                   config.enable_chunked_prefill, config.kv_cache_ratio,
+                                   speculative=config.speculative is not None)
         mc = config.model_config
         eos = mc.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.eos_token_ids = frozenset(eos)

@@ -19,14 +19,11 @@ not the one decoding now: a few streams decode fast, so their step would let pro
 batch would stay small and, under load, throughput and time to first token collapse. With nothing decoding
 (an offline batch starting, a lone long prompt) a step takes the whole max_num_batched_tokens.
 
-The cap is measured, not configured: the time between consecutive `schedule()` calls is one whole step (the
-forward, the output processing, the next scheduling), filed under that step's token count. A least-squares
-line through those times gives the cost of one more token (its slope); a step's time is read where that size
-was measured (else from the line). Prompt tokens allowed = (twice the batch's decode step - this step's
-decode tokens' time) / cost per token, and a step at most twice the largest one measured. Until the line is
-known the cap takes the time of a step as proportional to its tokens (2 x batch - decoding tokens), which
-allows less than the line would, as a step has a fixed part. A floor keeps prompts moving whatever the
-estimate says.
+The cap is measured, not configured: the time between consecutive `schedule()` calls is one whole step, filed
+under its token count (decoding steps apart too: what a draft costs, speculative.py's DraftPacing). A least-squares
+line through those times gives the cost of one more token. Prompt tokens allowed = (twice the batch's decode step
+- this step's decode tokens' time) / cost per token, a step at most twice the largest one measured; until the line
+is known, 2 x batch - decoding tokens (less, as a step has a fixed part). A floor keeps prompts moving.
 
 The scheduler owns the requests' progress. `schedule()` turns the chosen requests into the runner's SchedulerOutput
 (step_builder.py, which also moves a plain decoding batch's last step on); `update_from_output()` applies the
@@ -42,7 +39,7 @@ from collections.abc import Callable
 from fastdeploy.engine.block_manager import BlockManager
 from fastdeploy.engine.request import Request, RequestStatus
 from fastdeploy.engine.step_builder import ScheduledStep, SteadyDecode, build_step
-from fastdeploy.speculative import DraftPacing, Drafter
+from fastdeploy.engine.drafting import DraftPacing
 from fastdeploy.step_types import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -51,7 +48,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, kv_cache_ratio: float = 1.0,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, speculative: bool = False):
         self.block_manager = block_manager
         self.decode_reserve = int(len(block_manager.blocks) * (1.0 - kv_cache_ratio))  # blocks, see the module doc
         self.max_num_seqs = max_num_seqs
@@ -63,7 +60,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # the unfinished ones, by id
         self.num_preemptions = 0
         self.num_steps = 0  # scheduled so far
-        self.pacing = DraftPacing()  # when and how much lookup drafters draft
+        # Which drafts a step verifies, under speculative decoding (a request's drafter then drafts).
+        self.pacing = DraftPacing(block_manager, self.prefill_budget) if speculative else None
         self._steady = SteadyDecode()
 
     def add(self, request: Request) -> None:
@@ -80,8 +78,9 @@ class Scheduler:
         self.num_steps += 1
         scheduled: list[Request] = []
         counts: list[int] = []
-        preempted = False
-        lookup = self.pacing.drafts_now(self.num_steps, len(self.running), self.prefill_budget.seconds)
+        preempted = prompting = False  # prompting: a prompt chunk is in the step
+        verify = self.pacing is None or self.pacing.verifies(self.running, self.num_steps)
+        look = verify or self.pacing.watches(self.num_steps)  # for drafts to verify or to watch
 
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
@@ -94,8 +93,8 @@ class Scheduler:
                 num_new = min(num_new, prefill)
                 if num_new == 0:
                     continue  # part-way through its prompt: waits for a step with prompt tokens to spare
-            elif request.drafter is not None and budget > 1 and (lookup or request.drafter.runs_in_step):
-                num_new += self._draft(request, budget - 1)
+            elif request.drafter is not None and budget > 1 and (look or request.drafter.runs_in_step):
+                num_new += self.pacing.draft(request, budget - 1, verify, self.num_steps, len(self.running))
             lookahead = self._lookahead(request, num_new)
             while not self.block_manager.allocate(request, num_new + lookahead):
                 victim = self.running[-1]
@@ -110,6 +109,7 @@ class Scheduler:
             budget -= num_new
             if prompt:
                 prefill -= num_new
+                prompting = True
 
         # Admitting new work right after a preemption would only thrash the cache.
         while (self.waiting and not preempted and budget > 0 and prefill > 0
@@ -143,11 +143,16 @@ class Scheduler:
             counts.append(num_new)
             budget -= num_new
             prefill -= num_new
-        self.prefill_budget.step_scheduled(sum(counts))
+            prompting = prompting or num_new > 1
         step = self._steady.advance(scheduled, counts, self.block_manager)
+        # Decoding steps are timed apart when moved on or drafting: what plain decoding or drafting costs a steady
+        # batch (a plain step built anew costs more).
+        steady = step is not None
         if step is None:
             step = build_step(scheduled, counts, self.block_manager)
             self._steady.keep(step)
+            steady = not prompting and len(step.rows) > len(step.samplers)
+        self.prefill_budget.step_scheduled(sum(counts), steady)
         return step
 
     def _prefill_limit(self) -> int:
@@ -166,41 +171,10 @@ class Scheduler:
             return self.max_num_batched_tokens
         return self.prefill_budget.prefill_limit(decoding, min(decoding + prompts, self.max_num_seqs))
 
-    def _draft(self, request: Request, room: int) -> int:
-        """Give a decoding request its drafts for this step: at most `room`, as many as pay (an MTP request's were
-        limited when drafted), never past its max_tokens after the token it samples anyway; how many."""
-        drafter = request.drafter
-        worth = drafter.worth if drafter.runs_in_step else self._worth(drafter)
-        # No draft after a forced token (the end of a cut thinking part), which the step emits instead of a sample.
-        limit = 0 if request.forced_tokens else min(room, request.max_tokens - request.num_output_tokens - 1, worth)
-        drafts = drafter.propose(request.token_ids, limit) if limit > 0 else []
-        if drafts and request.grammar is not None:
-            drafts = drafts[:request.grammar.valid_drafts(drafts)]  # only what the grammar allows is worth checking
-        if drafts and self.block_manager.free_after(request, 1 + len(drafts)) < 0:
-            drafts = []  # drafts never push a request out of the cache
-        request.draft_token_ids = drafts
-        return len(drafts)
-
-    def _worth(self, drafter: Drafter) -> int:
-        return self.pacing.worth(drafter, self.num_steps, len(self.running), self.prefill_budget.line)
-
     def _lookahead(self, request: Request, num_new: int, hits: list[int] | tuple = ()) -> int:
-        """Cache slots an MTP-drafting request needs past this step's tokens, and its draft limit: its layer's k
-        drafts need k - 1 slots (worker/mtp_proposer.py); only when the step completes the request's tokens (it
-        samples), the pool has them, and the drafts stay within its max_tokens (else fewer)."""
-        drafter = request.drafter
-        if drafter is None or not drafter.runs_in_step:
+        if request.drafter is None:
             return 0
-        end = request.num_computed_tokens + len(hits) * self.block_manager.block_size + num_new
-        if end < request.num_tokens + len(request.draft_token_ids):
-            drafter.limit = drafter.worth = 0  # a prompt chunk: it only fills the MTP layer's cache
-            return 0
-        drafter.worth = self._worth(drafter)
-        drafter.limit = max(0, min(drafter.worth, drafter.steps,
-                                   request.num_prompt_tokens + request.max_tokens - end + 1))
-        if drafter.limit > 1 and self.block_manager.free_after(request, num_new + drafter.limit - 1, hits) < 0:
-            drafter.limit = 1  # no slots to spare: one draft needs none
-        return max(drafter.limit - 1, 0)
+        return self.pacing.lookahead(request, num_new, hits, self.num_steps, len(self.running))
 
     def update_from_output(self, step: ScheduledStep, output: ModelRunnerOutput) -> list[Request]:
         """Apply a step's result; return the requests that got a new token (some now finished). A drafting
@@ -212,7 +186,7 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(request)
         now = time.time()
         tokens = output.sampled_token_ids
-        row = drafted = accepted_lookups = 0
+        row = 0
         step.emitted, step.draft_logprobs = [], []
         for request in step.samplers:
             drafts = request.draft_token_ids
@@ -228,12 +202,12 @@ class Scheduler:
                     break
             row += 1 + len(drafts)
             request.use_uniforms(len(emitted))
+            if request.drafter is not None and request.drafter.watched:
+                request.drafter.witness(emitted)
             kept_logprobs = []
             if drafts:
                 accepted = request.drafter.settle(emitted, drafts)
                 kept_logprobs = request.drafter.accepted_logprobs(accepted)
-                if not request.drafter.runs_in_step:
-                    drafted, accepted_lookups = drafted + len(drafts), accepted_lookups + accepted
                 request.metrics.num_draft_tokens += len(drafts)
                 request.metrics.num_accepted_tokens += accepted
                 request.draft_token_ids = []
@@ -249,8 +223,6 @@ class Scheduler:
             m.model_execute_time = now - m.arrival_time
             step.emitted.append(emitted)
             step.draft_logprobs.append(kept_logprobs)
-        if drafted:
-            self.pacing.record(drafted, accepted_lookups)
         mtp = step.model_input.mtp
         if mtp is not None:
             for i, drafts, logprobs in zip(mtp.batch_index.tolist(), output.draft_token_ids, output.draft_logprobs):
@@ -322,9 +294,11 @@ class PrefillBudget:
         self.max_tokens = max_num_batched_tokens
         self.clock = clock
         self.seconds: OrderedDict[int, float] = OrderedDict()  # step tokens -> mean step time, oldest first
+        # The same for decoding steps alone (every token a sampling row: what drafts cost, DraftPacing).
+        self.decode_seconds: OrderedDict[int, float] = OrderedDict()
         self._started: float | None = None  # when the current schedule() began
-        self._open: tuple[int, float] | None = None  # the step scheduled last: tokens, start
-        self._timed: tuple[int, float] | None = None  # that step once applied, if the engine went straight on
+        self._open: tuple[int, float, bool] | None = None  # the step scheduled last: tokens, start, decoding
+        self._timed: tuple[int, float, bool] | None = None  # that step once applied, if the engine went straight on
         self._skip_first = True  # the first step pays one-time costs (first calls, page faults)
 
     # ---- measuring ----------------------------------------------------------------------------
@@ -332,14 +306,15 @@ class PrefillBudget:
         """At the start of schedule(): the previous step's interval ends here."""
         now = self.clock()
         if self._timed is not None:
-            tokens, start = self._timed
-            self.record(tokens, now - start)
+            tokens, start, decoding = self._timed
+            self.record(tokens, now - start, decoding)
         self._timed = self._open = None
         self._started = now
 
-    def step_scheduled(self, num_tokens: int) -> None:
-        """At the end of schedule(), with the step's token count (0: an empty step, not timed)."""
-        self._open = (num_tokens, self._started) if num_tokens and self._started is not None else None
+    def step_scheduled(self, num_tokens: int, decoding: bool = False) -> None:
+        """At the end of schedule(), with the step's token count (0: an empty step, not timed) and whether every
+        token of it samples (decode tokens and drafts, no prompt chunk)."""
+        self._open = (num_tokens, self._started, decoding) if num_tokens and self._started is not None else None
 
     def step_applied(self, more_work: bool) -> None:
         """After the step's output is applied. Only when requests remain does the engine start the next step
@@ -347,27 +322,33 @@ class PrefillBudget:
         self._timed = self._open if more_work else None
         self._open = None
 
-    def record(self, num_tokens: int, seconds: float) -> None:
+    def record(self, num_tokens: int, seconds: float, decoding: bool = False) -> None:
         """One step of num_tokens tokens took `seconds`."""
         if self._skip_first:
             self._skip_first = False
             return
-        old = self.seconds.pop(num_tokens, None)
-        self.seconds[num_tokens] = seconds if old is None else old + SMOOTHING * (seconds - old)
-        if len(self.seconds) > MAX_SIZES:
-            self.seconds.popitem(last=False)
+        for table in (self.seconds, self.decode_seconds) if decoding else (self.seconds,):
+            old = table.pop(num_tokens, None)
+            # A decoding step slower than the mean moves it less: one slow step (this machine's noise) must not
+            # make a plain step look dear to DraftPacing for the many steps until its size is measured again.
+            weight = SMOOTHING / 4 if table is self.decode_seconds and old is not None and seconds > old else SMOOTHING
+            table[num_tokens] = seconds if old is None else old + weight * (seconds - old)
+            if len(table) > MAX_SIZES:
+                table.popitem(last=False)
 
     # ---- the cap ------------------------------------------------------------------------------
-    def line(self) -> tuple[float, float] | None:
-        """Least-squares (fixed seconds, seconds per token) through the remembered sizes' mean times, or None
-        while they span too little to tell a slope from noise, or the slope is not positive."""
-        if len(self.seconds) < 2 or max(self.seconds) < MIN_SPAN * min(self.seconds):
+    def line(self, table: OrderedDict[int, float] | None = None) -> tuple[float, float] | None:
+        """Least-squares (fixed seconds, seconds per token) through the remembered sizes' mean times (of `table`,
+        by default all steps'), or None while they span too little to tell a slope from noise, or the slope is
+        not positive."""
+        table = self.seconds if table is None else table
+        if len(table) < 2 or max(table) < MIN_SPAN * min(table):
             return None
-        n = len(self.seconds)
-        mean_x = sum(self.seconds) / n
-        mean_t = sum(self.seconds.values()) / n
-        sxx = sum((x - mean_x) ** 2 for x in self.seconds)
-        slope = sum((x - mean_x) * (t - mean_t) for x, t in self.seconds.items()) / sxx
+        n = len(table)
+        mean_x = sum(table) / n
+        mean_t = sum(table.values()) / n
+        sxx = sum((x - mean_x) ** 2 for x in table)
+        slope = sum((x - mean_x) * (t - mean_t) for x, t in table.items()) / sxx
         if slope <= 0.0:
             return None
         return mean_t - slope * mean_x, slope
