@@ -364,15 +364,15 @@ def test_draft_threshold_from_the_measured_step_line() -> None:
     assert draft_threshold(budget.line(), 16) == pytest.approx(1.1 * 16 / 26, rel=1e-6)  # with the 10 % margin
     assert draft_threshold(budget.line(), 1) == pytest.approx(1.1 * 1 / 11, rel=1e-6)
     assert draft_threshold(budget.line(), 128) == 1.0  # 1.1 x 128 / 138 > 1: compute-bound, nothing pays
-    budget = PrefillBudget(2048, clock=iter([0.0, 1.0, 1.003, 1.005, 1.01, 1.02]).__next__)  # read as a step begins
-    for tokens, decoding in ((512, False), (2, True), (4, True), (8, True), (8, True)):  # the first is not counted
-        budget.step_begins()
-        budget.step_scheduled(tokens, decoding)
+    budget = PrefillBudget(2048, clock=iter([0.0, 1.0, 1.003, 1.005, 1.01, 1.02, 1.023]).__next__)  # at step starts
+    for tokens, timing in ((512, None), (2, "steady"), (4, "steady"), (8, "steady"), (8, "steady"), (4, "settling")):
+        budget.step_begins()  # the first step is not counted
+        budget.step_scheduled(tokens, timing)
         budget.step_applied(more_work=True)
-    assert list(budget.decode_seconds.items()) == [  # slower than its mean, a step moves it by a sixteenth
-        (2, pytest.approx(0.003)), (4, pytest.approx(0.002)), (8, pytest.approx(0.005))]
+    assert list(budget.decode_seconds.items())[:2] == [(2, pytest.approx(0.003)), (4, pytest.approx(0.002))]
+    assert budget.decode_seconds[8] == pytest.approx(0.005 + (0.01 - 0.005) / 16)  # slower: moved by a sixteenth
     budget.step_begins()
-    assert budget.decode_seconds[8] == pytest.approx(0.005 + (0.01 - 0.005) / 16)
+    assert budget.settling == pytest.approx(0.25 * (0.003 - 0.002)) and budget.decode_seconds[4] == pytest.approx(0.002)
     assert set(budget.seconds) == {2, 4, 8}
     assert budget.line(budget.decode_seconds)[1] == pytest.approx(
         np.polyfit([2, 4, 8], [0.003, 0.002, 0.005 + 0.005 / 16], 1)[0])
@@ -382,7 +382,7 @@ class Steps:
     """Measured step times for DraftPacing: decoding steps' by size, and the line."""
 
     def __init__(self, decode_seconds: dict[int, float], line: tuple[float, float] | None = None) -> None:
-        self.decode_seconds, self._line = decode_seconds, line
+        self.decode_seconds, self._line, self.settling = decode_seconds, line, 0.0
 
     def line(self, table=None):
         return self._line

@@ -6,7 +6,7 @@ instead of moved on in place (step_builder.py's SteadyDecode), its drafts are lo
 with a few requests drafting in a large batch of a small model that fixed cost is far more than what they gain. So
 a batch verifies lookup drafts while what a step with drafts gains (from its requests' lookups: Drafter.hit, .gain,
 .reach), each token worth a plain step's time over the batch, outweighs what a step with as many drafts takes over
-a plain one, both measured (`DraftPacing.verifies`). Meanwhile the requests still look up now and then and watch
+a plain one and the next step's settling, all measured (`DraftPacing.verifies`). Meanwhile the requests still look up now and then and watch
 their drafts against the tokens that follow (Drafter.watch): that tells what verifying them would have kept, at no
 cost to the steps. The MTP layer drafts inside the step; only the per-draft rule paces it.
 """
@@ -26,12 +26,15 @@ PROBE_EVERY = 8
 # line does not see. Measured on the 0.3B shape at 64 streams, wint4: drafts kept 96 % of the time, above a
 # break-even of ~0.94, still cost 4-11 %.
 DRAFT_MARGIN = 0.1
+# Steps between refits of the step lines the decisions read, while the batch stays (a fit is ~5 us).
+REFIT_EVERY = 32
 
 
 class StepTimes(Protocol):
     """The scheduler's measured step times (scheduler.py's PrefillBudget)."""
 
     decode_seconds: Mapping[int, float]  # mean seconds of steady decoding steps, by their tokens
+    settling: float  # what a plain step right after one with drafts takes more
 
     def line(self, table: Mapping[int, float] | None = None) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token) through `table`'s times, by default all steps'; None: not known."""
@@ -43,15 +46,24 @@ class DraftPacing:
     def __init__(self, block_manager: BlockManager, budget: StepTimes) -> None:
         self.block_manager = block_manager
         self.budget = budget
-        # (step, batch, draft_threshold, decoding steps' line) as last fitted: a fit is ~10 us, so it is refitted
-        # when the batch changed or PROBE_EVERY steps passed.
+        # (step, batch, draft_threshold, decoding steps' line) as last fitted.
         self._fitted: tuple[int, int, float, tuple[float, float] | None] | None = None
+        self._verdict: tuple[int, int, bool] = (0, 0, True)  # (step, batch, verifies) as last weighed
 
     def verifies(self, requests: Sequence[Request], step: int) -> bool:
         """Whether the lookup drafts of this step of the decoding `requests` are verified. Read from the measured
         times of steady decoding steps by size: a plain step of the batch is measured first (by not verifying); a
         drafting size not measured is priced by the slope of their line, and with no line either, the step
-        verifies, to measure."""
+        verifies, to measure. Weighed again when the batch changed or PROBE_EVERY steps passed (a few microseconds
+        a request)."""
+        kept = self._verdict
+        if kept[1] == len(requests) and step - kept[0] < PROBE_EVERY:
+            return kept[2]
+        verdict = self._weigh(requests, step)
+        self._verdict = (step, len(requests), verdict)
+        return verdict
+
+    def _weigh(self, requests: Sequence[Request], step: int) -> bool:
         batch, seconds = len(requests), self.budget.decode_seconds
         if not batch:
             return True
@@ -74,7 +86,7 @@ class DraftPacing:
             if fit is None:
                 return True
             drafting = plain + fit[1] * drafts
-        return gained * plain / batch > drafting - plain
+        return gained * plain / batch > drafting - plain + self.budget.settling
 
     @staticmethod
     def watches(step: int) -> bool:
@@ -87,6 +99,8 @@ class DraftPacing:
         limited when drafted), never past its max_tokens after the token it samples anyway; how many. Lookup
         drafts not to `verify` are watched instead."""
         drafter = request.drafter
+        if not drafter.runs_in_step and drafter.hit < 1 / PROBE_EVERY and not self.watches(step):
+            return 0  # its lookups seldom find anything: every PROBE_EVERY-th step looks
         worth = drafter.worth if drafter.runs_in_step else self.worth(drafter, step, batch)
         # No draft after a forced token (the end of a cut thinking part), which the step emits instead of a sample.
         limit = 0 if request.forced_tokens else min(room, request.max_tokens - request.num_output_tokens - 1, worth)
@@ -128,7 +142,7 @@ class DraftPacing:
 
     def _fit(self, step: int, batch: int) -> tuple[int, int, float, tuple[float, float] | None]:
         fitted = self._fitted
-        if fitted is None or fitted[1] != batch or step - fitted[0] >= PROBE_EVERY:
+        if fitted is None or fitted[1] != batch or step - fitted[0] >= REFIT_EVERY:
             budget = self.budget
             fitted = self._fitted = (step, batch, draft_threshold(budget.line(), batch),
                                      budget.line(budget.decode_seconds) or budget.line())

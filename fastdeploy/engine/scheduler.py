@@ -63,6 +63,7 @@ class Scheduler:
         # Which drafts a step verifies, under speculative decoding (a request's drafter then drafts).
         self.pacing = DraftPacing(block_manager, self.prefill_budget) if speculative else None
         self._steady = SteadyDecode()
+        self._drafted = False  # the last step verified drafts
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -145,14 +146,16 @@ class Scheduler:
             prefill -= num_new
             prompting = prompting or num_new > 1
         step = self._steady.advance(scheduled, counts, self.block_manager)
-        # Decoding steps are timed apart when moved on or drafting: what plain decoding or drafting costs a steady
-        # batch (a plain step built anew costs more).
-        steady = step is not None
+        moved = step is not None
         if step is None:
             step = build_step(scheduled, counts, self.block_manager)
             self._steady.keep(step)
-            steady = not prompting and len(step.rows) > len(step.samplers)
-        self.prefill_budget.step_scheduled(sum(counts), steady)
+        after_drafts, self._drafted = self._drafted, not moved and len(step.rows) > len(step.samplers)
+        # Decoding steps are timed apart when moved on or drafting: what plain decoding or drafting costs a steady
+        # batch (a plain step built anew costs more), and a plain one right after drafts apart again (PrefillBudget).
+        timing = (("settling" if after_drafts else "steady") if moved else
+                  "steady" if self._drafted and not prompting else None)
+        self.prefill_budget.step_scheduled(sum(counts), timing)
         return step
 
     def _prefill_limit(self) -> int:
@@ -294,11 +297,13 @@ class PrefillBudget:
         self.max_tokens = max_num_batched_tokens
         self.clock = clock
         self.seconds: OrderedDict[int, float] = OrderedDict()  # step tokens -> mean step time, oldest first
-        # The same for decoding steps alone (every token a sampling row: what drafts cost, DraftPacing).
+        # For DraftPacing: the same for steady decoding steps alone (moved on in place, or with drafts), and what a
+        # plain one right after drafts takes more (the compiled step re-reads its batch: ~9 % of the demo's step).
         self.decode_seconds: OrderedDict[int, float] = OrderedDict()
+        self.settling = 0.0
         self._started: float | None = None  # when the current schedule() began
-        self._open: tuple[int, float, bool] | None = None  # the step scheduled last: tokens, start, decoding
-        self._timed: tuple[int, float, bool] | None = None  # that step once applied, if the engine went straight on
+        self._open: tuple[int, float, str | None] | None = None  # the step scheduled last: tokens, start, timing
+        self._timed: tuple[int, float, str | None] | None = None  # that step once applied, if the engine went on
         self._skip_first = True  # the first step pays one-time costs (first calls, page faults)
 
     # ---- measuring ----------------------------------------------------------------------------
@@ -306,15 +311,15 @@ class PrefillBudget:
         """At the start of schedule(): the previous step's interval ends here."""
         now = self.clock()
         if self._timed is not None:
-            tokens, start, decoding = self._timed
-            self.record(tokens, now - start, decoding)
+            tokens, start, timing = self._timed
+            self.record(tokens, now - start, timing)
         self._timed = self._open = None
         self._started = now
 
-    def step_scheduled(self, num_tokens: int, decoding: bool = False) -> None:
-        """At the end of schedule(), with the step's token count (0: an empty step, not timed) and whether every
-        token of it samples (decode tokens and drafts, no prompt chunk)."""
-        self._open = (num_tokens, self._started, decoding) if num_tokens and self._started is not None else None
+    def step_scheduled(self, num_tokens: int, timing: str | None = None) -> None:
+        """At the end of schedule(), with the step's token count (0: an empty step, not timed) and, for a decoding
+        step, "steady" (moved on in place, or with drafts) or "settling" (moved on right after drafts)."""
+        self._open = (num_tokens, self._started, timing) if num_tokens and self._started is not None else None
 
     def step_applied(self, more_work: bool) -> None:
         """After the step's output is applied. Only when requests remain does the engine start the next step
@@ -322,12 +327,14 @@ class PrefillBudget:
         self._timed = self._open if more_work else None
         self._open = None
 
-    def record(self, num_tokens: int, seconds: float, decoding: bool = False) -> None:
+    def record(self, num_tokens: int, seconds: float, timing: str | None = None) -> None:
         """One step of num_tokens tokens took `seconds`."""
         if self._skip_first:
             self._skip_first = False
             return
-        for table in (self.seconds, self.decode_seconds) if decoding else (self.seconds,):
+        if timing == "settling" and num_tokens in self.decode_seconds:
+            self.settling += SMOOTHING * (seconds - self.decode_seconds[num_tokens] - self.settling)
+        for table in (self.seconds, self.decode_seconds) if timing == "steady" else (self.seconds,):
             old = table.pop(num_tokens, None)
             # A decoding step slower than the mean moves it less: one slow step (this machine's noise) must not
             # make a plain step look dear to DraftPacing for the many steps until its size is measured again.
