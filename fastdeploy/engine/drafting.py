@@ -54,11 +54,11 @@ class DraftPacing:
         """Whether the lookup drafts of this step of the decoding `requests` are verified. Read from the measured
         times of steady decoding steps by size: a plain step of the batch is measured first (by not verifying); a
         drafting size not measured is priced by the slope of their line, and with no line either, the step
-        verifies, to measure. Weighed again when the batch changed or PROBE_EVERY steps passed (a few microseconds
-        a request)."""
+        verifies, to measure. Weighed at every step while it verifies (a few microseconds a request); a no is kept
+        until the batch changes or PROBE_EVERY steps pass (the requests' records change only when they look up)."""
         kept = self._verdict
-        if kept[1] == len(requests) and step - kept[0] < PROBE_EVERY:
-            return kept[2]
+        if not kept[2] and kept[1] == len(requests) and step - kept[0] < PROBE_EVERY:
+            return False
         verdict = self._weigh(requests, step)
         self._verdict = (step, len(requests), verdict)
         return verdict
@@ -123,8 +123,6 @@ class DraftPacing:
         drafts need k - 1 slots (worker/mtp_proposer.py); only when the step completes the request's tokens (it
         samples), the pool has them, and the drafts stay within its max_tokens (else fewer)."""
         drafter = request.drafter
-        if not drafter.runs_in_step:
-            return 0
         end = request.num_computed_tokens + len(hits) * self.block_manager.block_size + num_new
         if end < request.num_tokens + len(request.draft_token_ids):
             drafter.limit = drafter.worth = 0  # a prompt chunk: it only fills the MTP layer's cache

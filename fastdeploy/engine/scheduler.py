@@ -175,8 +175,8 @@ class Scheduler:
         return self.prefill_budget.prefill_limit(decoding, min(decoding + prompts, self.max_num_seqs))
 
     def _lookahead(self, request: Request, num_new: int, hits: list[int] | tuple = ()) -> int:
-        if request.drafter is None:
-            return 0
+        if request.drafter is None or not request.drafter.runs_in_step:
+            return 0  # only the MTP layer drafts past the step's tokens
         return self.pacing.lookahead(request, num_new, hits, self.num_steps, len(self.running))
 
     def update_from_output(self, step: ScheduledStep, output: ModelRunnerOutput) -> list[Request]:
