@@ -4,8 +4,8 @@ Drafting, "ngram" (prompt lookup; FastDeploy's `ngram` / `ngram_match`, vLLM's `
 a request's context, n from max_ngram_size down to min_ngram_size, are looked up among its earlier tokens, and
 the tokens that followed their most recent earlier occurrence are the draft; where those run into the end of the
 context, the draft goes on as the text would if it kept repeating from that occurrence (a loop of d tokens drafts
-k tokens, not d). `NgramDrafter` keeps each
-request's context packed and scans it from the end in C, so a token costs nothing until a lookup.
+k tokens, not d). `NgramDrafter` keeps each request's context packed and scans it from the end in C, so a token
+costs nothing until a lookup. Which drafts a step verifies is the scheduler's (engine/drafting.py).
 
 Verifying is exact. The scheduler gives a drafting request 1 + k new tokens (its last token and the k drafts);
 the step builder makes each of those k + 1 positions a sampling row with the policy the row would have had if
@@ -180,8 +180,8 @@ class Drafter:
 
     def length(self, threshold: float, probe: bool = False) -> int:
         """Drafts worth verifying when a draft must be kept with probability above `threshold` to pay for its
-        position in the step (engine/drafting.py's draft_threshold). The j-th draft is kept with about a^j, a being this
-        request's acceptance so far (with a prior of one kept and one rejected). On a `probe` step one draft is
+        position in the step (engine/drafting.py's draft_threshold). The j-th draft is kept with about a^j, a being
+        this request's acceptance so far (with a prior of one kept and one rejected). On a `probe` step one draft is
         tried even when none pays: the acceptance or the step's cost may have changed."""
         rate = (self.accepted + 1) / (self.verified + 2)
         n, kept = 0, rate
@@ -285,5 +285,6 @@ class MtpDrafter(Drafter):
         return self.logprobs[:accepted]
 
     def rewind(self, num_tokens: int) -> None:
+        super().rewind(num_tokens)
         if self.ngram is not None:
             self.ngram.rewind(num_tokens)

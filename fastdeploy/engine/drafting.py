@@ -6,9 +6,10 @@ instead of moved on in place (step_builder.py's SteadyDecode), its drafts are lo
 with a few requests drafting in a large batch of a small model that fixed cost is far more than what they gain. So
 a batch verifies lookup drafts while what a step with drafts gains (from its requests' lookups: Drafter.hit, .gain,
 .reach), each token worth a plain step's time over the batch, outweighs what a step with as many drafts takes over
-a plain one and the next step's settling, all measured (`DraftPacing.verifies`). Meanwhile the requests still look up now and then and watch
-their drafts against the tokens that follow (Drafter.watch): that tells what verifying them would have kept, at no
-cost to the steps. The MTP layer drafts inside the step; only the per-draft rule paces it.
+a plain one and the next step's settling, all measured (`DraftPacing.verifies`). Meanwhile the requests still look
+up now and then and watch their drafts against the tokens that follow (Drafter.watch): that tells what verifying
+them would have kept, at no cost to the steps. The MTP layer drafts inside the step; only the per-draft rule paces
+it.
 """
 from __future__ import annotations
 
@@ -52,9 +53,9 @@ class DraftPacing:
 
     def verifies(self, requests: Sequence[Request], step: int) -> bool:
         """Whether the lookup drafts of this step of the decoding `requests` are verified. Read from the measured
-        times of steady decoding steps by size: a plain step of the batch is measured first (by not verifying); a
-        drafting size not measured is priced by the slope of their line, and with no line either, the step
-        verifies, to measure. Weighed at every step while it verifies (a few microseconds a request); a no is kept
+        times of steady decoding steps: a plain step of the batch (measured first, by not verifying) and the slope
+        of their line, which prices the drafts (a size's own mean may rest on one cold step; without a line it is
+        read, and with neither, the step verifies, to measure). Weighed at every step while it verifies (a few microseconds a request); a no is kept
         until the batch changes or PROBE_EVERY steps pass (the requests' records change only when they look up)."""
         kept = self._verdict
         if not kept[2] and kept[1] == len(requests) and step - kept[0] < PROBE_EVERY:
@@ -80,13 +81,14 @@ class DraftPacing:
         if none == 1.0:
             return True  # nothing would draft
         gained, drafts = gained / (1.0 - none), max(1, round(drafts / (1.0 - none)))  # in a step with drafts
-        drafting = seconds.get(batch + drafts)
-        if drafting is None:
-            fit = self._fit(step, batch)[3]
-            if fit is None:
-                return True
-            drafting = plain + fit[1] * drafts
-        return gained * plain / batch > drafting - plain + self.budget.settling
+        fit = self._fit(step, batch)[3]
+        if fit is not None:
+            cost = fit[1] * drafts
+        elif batch + drafts in seconds:
+            cost = seconds[batch + drafts] - plain
+        else:
+            return True
+        return gained * plain / batch > cost + self.budget.settling
 
     @staticmethod
     def watches(step: int) -> bool:
