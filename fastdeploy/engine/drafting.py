@@ -49,22 +49,12 @@ class DraftPacing:
         self.budget = budget
         # (step, batch, draft_threshold, decoding steps' line) as last fitted.
         self._fitted: tuple[int, int, float, tuple[float, float] | None] | None = None
-        self._verdict: tuple[int, int, bool] = (0, 0, True)  # (step, batch, verifies) as last weighed
 
     def verifies(self, requests: Sequence[Request], step: int) -> bool:
         """Whether the lookup drafts of this step of the decoding `requests` are verified. Read from the measured
         times of steady decoding steps: a plain step of the batch (measured first, by not verifying) and the slope
         of their line, which prices the drafts (a size's own mean may rest on one cold step; without a line it is
-        read, and with neither, the step verifies, to measure). Weighed at every step while it verifies (a few microseconds a request); a no is kept
-        until the batch changes or PROBE_EVERY steps pass (the requests' records change only when they look up)."""
-        kept = self._verdict
-        if not kept[2] and kept[1] == len(requests) and step - kept[0] < PROBE_EVERY:
-            return False
-        verdict = self._weigh(requests, step)
-        self._verdict = (step, len(requests), verdict)
-        return verdict
-
-    def _weigh(self, requests: Sequence[Request], step: int) -> bool:
+        read, and with neither, the step verifies, to measure)."""
         batch, seconds = len(requests), self.budget.decode_seconds
         if not batch:
             return True
@@ -90,19 +80,17 @@ class DraftPacing:
             return True
         return gained * plain / batch > cost + self.budget.settling
 
-    @staticmethod
-    def watches(step: int) -> bool:
-        """Whether requests look up drafts to watch in a step whose drafts are not verified: every PROBE_EVERY-th
-        (a lookup is a few microseconds, a tenth of a plain step's Python at one stream)."""
-        return step % PROBE_EVERY == 0
-
     def draft(self, request: Request, room: int, verify: bool, step: int, batch: int) -> int:
         """Give a decoding request its drafts for this step: at most `room`, as many as pay (an MTP request's were
         limited when drafted), never past its max_tokens after the token it samples anyway; how many. Lookup
         drafts not to `verify` are watched instead."""
         drafter = request.drafter
-        if not drafter.runs_in_step and drafter.hit < 1 / PROBE_EVERY and not self.watches(step):
-            return 0  # its lookups seldom find anything: every PROBE_EVERY-th step looks
+        if not drafter.runs_in_step and step % PROBE_EVERY and (
+                drafter.hit < 1 / PROBE_EVERY or not verify and (drafter.watched or not drafter.matched)):
+            # A lookup is a few microseconds, a tenth of a plain step's Python at one stream: one whose lookups seldom
+            # find anything looks every PROBE_EVERY-th step, and so does one that watches (drafts not verified)
+            # unless the drafts it watched last came true.
+            return 0
         worth = drafter.worth if drafter.runs_in_step else self.worth(drafter, step, batch)
         # No draft after a forced token (the end of a cut thinking part), which the step emits instead of a sample.
         limit = 0 if request.forced_tokens else min(room, request.max_tokens - request.num_output_tokens - 1, worth)

@@ -20,7 +20,7 @@ batch would stay small and, under load, throughput and time to first token colla
 (an offline batch starting, a lone long prompt) a step takes the whole max_num_batched_tokens.
 
 The cap is measured, not configured: the time between consecutive `schedule()` calls is one whole step, filed
-under its token count (decoding steps apart too: what a draft costs, speculative.py's DraftPacing). A least-squares
+under its token count (decoding steps apart too: what a draft costs, drafting.py's DraftPacing). A least-squares
 line through those times gives the cost of one more token. Prompt tokens allowed = (twice the batch's decode step
 - this step's decode tokens' time) / cost per token, a step at most twice the largest one measured; until the line
 is known, 2 x batch - decoding tokens (less, as a step has a fixed part). A floor keeps prompts moving.
@@ -81,7 +81,6 @@ class Scheduler:
         counts: list[int] = []
         preempted = prompting = False  # prompting: a prompt chunk is in the step
         verify = self.pacing is None or self.pacing.verifies(self.running, self.num_steps)
-        look = verify or self.pacing.watches(self.num_steps)  # for drafts to verify or to watch
 
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
@@ -94,7 +93,7 @@ class Scheduler:
                 num_new = min(num_new, prefill)
                 if num_new == 0:
                     continue  # part-way through its prompt: waits for a step with prompt tokens to spare
-            elif request.drafter is not None and budget > 1 and (look or request.drafter.runs_in_step):
+            elif request.drafter is not None and budget > 1:
                 num_new += self.pacing.draft(request, budget - 1, verify, self.num_steps, len(self.running))
             lookahead = self._lookahead(request, num_new)
             while not self.block_manager.allocate(request, num_new + lookahead):

@@ -10,7 +10,9 @@ sampling.policy.sampler_alone for the step), a step differs from the last by one
 positions and context lengths move on, a block table gains a block now and then and the sampled rows draw
 new uniforms. So the scheduler keeps such a step and, when it schedules the same requests the same way
 again, updates that step's arrays in place instead of building them anew (vLLM's persistent batch, in
-small). At one stream building a step was ~0.1 ms, most of the scheduler's time per token.
+small). At one stream building a step was ~0.1 ms, most of the scheduler's time per token. A speculative step
+that verifies drafts of the same requests is built anew but leaves the kept step for the plain steps after it
+(their block tables read afresh: the drafts may have crossed blocks).
 
 The kept step is handed to the runner again, so its arrays are read-only to everyone else (SteadyDecode writes
 through views it made before; a write anywhere else raises), and nothing may keep them past the step as that
@@ -249,7 +251,7 @@ class SteadyDecode:
         plain = (0 < len(forward.token_ids) == len(step.requests) == len(step.samplers) and not step.prompt_rows
                  and forward.token_types is None and sampler_alone(step.model_input)
                  and all(map(plain_decoder, step.requests)))
-        self.step = step if plain else None
+        self.step, self.jumped = (step if plain else None), False
         if plain:
             sampling = step.model_input.sampling
             self.sampled_rows = np.flatnonzero(~sampling.greedy_mask()).tolist()
