@@ -478,3 +478,40 @@ def test_the_engine_watches_drafts_while_verifying_them_does_not_pay(monkeypatch
         else:
             # Watched, one draft at a time (a draft's cost by the line allows no more), all kept.
             assert got.metrics.num_draft_tokens == 0 and len(gains) > 10 and min(gains) == 1.0, gains
+
+
+def test_which_requests_look_up_in_a_step() -> None:
+    """Every PROBE_EVERY-th step each lookup request looks up; between them, one whose lookups seldom find drafts
+    does not, and while the batch verifies nothing, only one whose watched drafts came true looks up again."""
+    from fastdeploy.engine.block_manager import BlockManager
+    from fastdeploy.engine.drafting import PROBE_EVERY, DraftPacing
+    from fastdeploy.engine.request import Request, RequestMetrics
+    from fastdeploy.engine.sampling_params import SamplingParams as Params
+
+    request = Request(request_id="r", prompt_token_ids=[5, 6, 7, 5, 6], params=Params(temperature=0).with_model_defaults(
+        {}), max_tokens=20, eos_token_ids=frozenset({1}), generator=np.random.default_rng(0),
+        metrics=RequestMetrics(arrival_time=0.0))
+    calls = []
+
+    class Counting(NgramDrafter):
+        def propose(self, tokens, limit, then=()):
+            calls.append(len(tokens))
+            return super().propose(tokens, limit, then)
+
+    request.drafter = Counting(SpeculativeConfig.from_dict(NGRAM))
+    manager = BlockManager(8, 16, False)
+    manager.allocate(request, 5)
+    pacing = DraftPacing(manager, Steps({1: 0.001}))
+
+    assert pacing.draft(request, 8, verify=True, step=1, batch=1) == 4 and request.draft_token_ids == [7, 5, 6, 7]
+    request.draft_token_ids = []
+    request.drafter.hit = 0.1  # seldom finds drafts
+    assert pacing.draft(request, 8, True, 2, 1) == 0 and len(calls) == 1
+    assert pacing.draft(request, 8, True, PROBE_EVERY, 1) == 4 and len(calls) == 2
+    request.draft_token_ids, request.drafter.hit = [], 1.0
+    assert pacing.draft(request, 8, verify=False, step=9, batch=1) == 0 and len(calls) == 2  # never watched: waits
+    assert pacing.draft(request, 8, False, 2 * PROBE_EVERY, 1) == 0 and request.drafter.watched == [7, 5, 6, 7]
+    request.drafter.witness([7, 5, 6, 7])  # they came true
+    assert pacing.draft(request, 8, False, 2 * PROBE_EVERY + 1, 1) == 0 and len(calls) == 4 and request.drafter.watched
+    request.drafter.witness([9])  # these did not
+    assert pacing.draft(request, 8, False, 2 * PROBE_EVERY + 2, 1) == 0 and len(calls) == 4
