@@ -204,7 +204,7 @@ class LLMEngine:
 
     def _drafter(self, request: Request) -> NgramDrafter | MtpDrafter | None:
         """The request's draft source under speculative_config. A grammar's requests draft what it allows
-        (Scheduler._draft), each row masked after the drafts before it; drafts past a reasoning limit are taken
+        (DraftPacing.draft), each row masked after the drafts before it; drafts past a reasoning limit are taken
         back where the output processor forces the end of thinking; a multimodal request's drafts follow its
         prompt, so they take text positions (step_inputs.chunk_inputs)."""
         spec = self.config.speculative
