@@ -63,7 +63,7 @@ class Scheduler:
         # Which drafts a step verifies, under speculative decoding (a request's drafter then drafts).
         self.pacing = DraftPacing(block_manager, self.prefill_budget) if speculative else None
         self._steady = SteadyDecode()
-        self._drafted = False  # the last step verified drafts
+        self._drafted = False  # the last step verified drafts (timed for the pacing)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -149,11 +149,13 @@ class Scheduler:
         if step is None:
             step = build_step(scheduled, counts, self.block_manager)
             self._steady.keep(step)
-        after_drafts, self._drafted = self._drafted, not moved and len(step.rows) > len(step.samplers)
-        # Decoding steps are timed apart when moved on or drafting: what plain decoding or drafting costs a steady
-        # batch (a plain step built anew costs more), and a plain one right after drafts apart again (PrefillBudget).
-        timing = (("settling" if after_drafts else "steady") if moved else
-                  "steady" if self._drafted and not prompting else None)
+        timing = None
+        if self.pacing is not None:
+            # Decoding steps are timed apart when moved on or drafting: what plain decoding or drafting costs a steady
+            # batch (a plain step built anew costs more), and a plain one right after drafts apart again.
+            after_drafts, self._drafted = self._drafted, not moved and len(step.rows) > len(step.samplers)
+            timing = (("settling" if after_drafts else "steady") if moved else
+                      "steady" if self._drafted and not prompting else None)
         self.prefill_budget.step_scheduled(sum(counts), timing)
         return step
 
