@@ -234,7 +234,11 @@ def oracle_run(monkeypatch, prompts, params, **engine):
 def test_with_logprobs_stop_strings_bias_samples_preemption_and_chunks(monkeypatch) -> None:
     """A small KV pool (requests preempted and recomputed), chunked prefill with a small budget, prefix caching
     with n=2 samples of a prompt, logprobs and prompt logprobs, a stop string inside what a step's drafts
-    bring, logit bias: the same outputs, logprobs included."""
+    bring, logit bias: the same outputs, logprobs included. The prompt cap is the one for an unmeasured step line,
+    so that how many prompts share the pool (and preemption) does not follow the machine's step times."""
+    from fastdeploy.engine.scheduler import PrefillBudget
+
+    monkeypatch.setattr(PrefillBudget, "line", lambda budget, table=None: None)
     prompts = repeating_prompts(8, seed=5)
     engine = dict(model=model_path("ernie45_tiny_hf"), block_size=16, max_num_seqs=6, enable_chunked_prefill=True,
                   max_num_batched_tokens=24, num_gpu_blocks_override=9, kv_cache_ratio=1.0,
